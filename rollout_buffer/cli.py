@@ -1,0 +1,100 @@
+"""`rollout-buffer` command line: serve, worker, test-engine, demo, bench.
+
+Every `serve`/`worker` flag may also come from `ROLLOUT_BUFFER_<FLAG>` (e.g. ROLLOUT_BUFFER_REDIS_URL);
+a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from rollout_buffer.settings import Settings
+
+
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", help="external Redis (redis://host:port/db); default: embedded Redis")
+    parser.add_argument("--data-dir", type=Path, help="embedded Redis data dir (default ./.rollout-buffer)")
+    parser.add_argument("--task-dir", type=Path, action="append",
+                        help="extra folder of *_generator.py task modules (repeatable)")
+    parser.add_argument("--log-level", help="debug | info | warning | error (default info)")
+    parser.add_argument("--task-lease-s", type=float, help="seconds before an unacknowledged task is reclaimed")
+    parser.add_argument("--rollout-timeout-s", type=float, help="per-rollout time limit (default 1800)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the buffer HTTP server (and in-process rollout workers)")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8889)")
+    _server_flags(serve)
+    serve.add_argument("--workers", type=int, help="in-process rollout worker loops (default 1; 0 = none)")
+    serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB (default 64)")
+    serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
+    serve.add_argument("--group-timeout-s", type=float, help="close incomplete groups after this long (off by default)")
+    serve.add_argument("--group-timeout-policy", choices=["hand_over", "drop"], help="what a group timeout does")
+
+    worker = sub.add_parser("worker", help="run rollout workers against a shared Redis")
+    _server_flags(worker)
+
+    sub.add_parser("test-engine", help="run the SGLang-protocol test engine", add_help=False)
+    sub.add_parser("demo", help="run everything on this machine and show what the trainer receives", add_help=False)
+    sub.add_parser("bench", help="run the benchmark suite", add_help=False)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None and k != "command"}
+    return Settings(**given)
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from rollout_buffer.api import create_app
+
+    _configure_logging(settings.log_level)
+    app = create_app(settings)
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the lifespan stops workers and Redis.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=10)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("test-engine", "demo", "bench"):
+        command, rest = argv[0], argv[1:]
+        if command == "test-engine":
+            from rollout_buffer.testing.engine import main as engine_main
+
+            return engine_main(rest)
+        if command == "demo":
+            from rollout_buffer.demo import main as demo_main
+
+            return demo_main(rest)
+        from bench.__main__ import main as bench_main
+
+        return bench_main(rest)
+    args = build_parser().parse_args(argv)
+    settings = settings_from(args)
+    if args.command == "serve":
+        return serve(settings)
+    from rollout_buffer.runtime.worker_main import run_worker
+
+    _configure_logging(settings.log_level)
+    return run_worker(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Uniform 4xx answers: every refusal is JSON `{"success": false, "message": ..., "errors": [...]}`
+naming the problem, and the body-size limit is enforced before a large body is read into memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def error_response(status_code: int, message: str, errors: list[dict[str, Any]] | None = None) -> ORJSONResponse:
+    body: dict[str, Any] = {"success": False, "message": message}
+    if errors:
+        body["errors"] = errors
+    return ORJSONResponse(body, status_code=status_code)
+
+
+def _describe(error: dict[str, Any]) -> dict[str, Any]:
+    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    return {"field": ".".join(loc) or "body", "message": msg, "type": error.get("type")}
+
+
+async def _validation_handler(request: Request, exc: RequestValidationError) -> ORJSONResponse:
+    errors = [_describe(e) for e in exc.errors()]
+    if any(e["type"] == "json_invalid" for e in errors):
+        return error_response(400, "malformed JSON body: " + "; ".join(e["message"] for e in errors))
+    if any(e["field"] == "body" and e["type"] == "model_attributes_type" for e in errors):
+        return error_response(400, "request body must be a JSON object (send Content-Type: application/json)")
+    text = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:10])
+    return error_response(422, f"invalid request body: {text}", errors)
+
+
+async def _http_handler(request: Request, exc: StarletteHTTPException) -> ORJSONResponse:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
+
+
+class BodySizeLimit:
+    """Refuses request bodies over `max_bytes` with 413, by header or by counting streamed bytes."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._refuse(send)
+                return
+        received = 0
+        response_started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not response_started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = orjson.dumps({"success": False, "message": f"request body exceeds the limit of {self.max_bytes} bytes "
+                                                          "(set --max-body-mb)"})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,83 @@
+"""The task-module contract: everything a `*_generator.py` module may define, in one place.
+
+A task module is discovered by file name (`*_generator.py`) in `rollout_buffer/generator/` and in every
+`--task-dir`. It must define `TASK_TYPE: str` and one of:
+
+* **native**: `async def rollout(sample: dict, ctx: RolloutContext) -> dict`. `sample` is one JSONL line
+  of the run's `input_file` (with `instance_id`). Return at least `{"messages": [...], "reward": float}`,
+  optionally `status` (completed | truncated | aborted | failed) and `extra_info` (dict). Talk to the
+  model only through `ctx.engine`, which records the token-exact `turns`. The runtime does the rest:
+  repeats, epochs, concurrency, retries, timeouts, writing the record, failure records.
+* **legacy (slime's)**: `def run_rollout(data: dict) -> None`, given the whole `/start_rollout` payload;
+  it writes its own records to `{data["remote_buffer_url"]}/buffer/write`. It runs in a thread.
+
+Optional group hooks, with slime's signatures (see `rollout_buffer.groups` for the defaults):
+
+* `is_valid_group(group: tuple[str, list[dict]], min_valid_group_size: int, task_type: str) -> bool`
+* `transform_group(group: tuple[str, list[dict]], task_type: str) -> tuple[str, list[dict]]`
+* `get_group_data_meta_info(temp_data: dict[str, list[dict]]) -> dict`
+
+Optional: `TOOLS: list[dict]` (OpenAI tool schemas the prompt is rendered with).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class ChatResult:
+    """One model answer. `message` is an OpenAI-style assistant message ready to append to history:
+    `{"role": "assistant", "content": str, "reasoning_content"?: str, "tool_calls"?: [...]}`."""
+
+    message: dict[str, Any]
+    finish_reason: str
+    turn: dict[str, Any] | None = None  # {prompt_ids, output_ids, output_logprobs, finish_reason, weight_version}
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What a task sees of the model. One client per rollout: it owns that rollout's token history.
+
+    `chat` renders `messages` (+ `tools`) and samples one assistant message. The history is
+    append-only: every call's `messages` must start with the previous call's messages plus the
+    assistant message it returned; a rewrite raises `HistoryRewriteError`.
+    """
+
+    turns: list[dict[str, Any]]
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+    ) -> ChatResult: ...
+
+
+class HistoryRewriteError(RuntimeError):
+    """A task changed messages that an earlier engine call already saw; no exact mask can follow."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed after the client's retries (5xx, connection errors, malformed answers)."""
+
+
+@dataclass
+class RolloutContext:
+    """What the runtime hands a native `rollout(sample, ctx)`."""
+
+    engine: EngineClient
+    tokenizer: Any | None
+    sampling_params: dict[str, Any]
+    attempt: int
+    logger: logging.Logger | logging.LoggerAdapter
+    run_id: str = ""
+    uid: str = ""
+    instance_id: str = ""
+    epoch: int = 0
+    repeat: int = 0
+    task_type: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,110 @@
+"""Test helpers: a real `rollout-buffer serve` process on loopback, and record builders."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m rollout_buffer.cli serve` in a child process, with its own data dir and port."""
+
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, command: str = "serve") -> None:
+        self.data_dir = Path(data_dir)
+        self.port = free_port()
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.command = command
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.data_dir.parent / f"server-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "ServerProcess":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "rollout_buffer.cli", self.command, "--port", str(self.port),
+               "--data-dir", str(self.data_dir), "--log-level", "warning", *self.args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy: {self.log_path.read_text()[-3000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    import orjson
+
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def make_record(instance_id: str, *, uid: str | None = None, reward: float = 1.0, status: str = "completed",
+                **extra: Any) -> dict[str, Any]:
+    return {
+        "uid": uid or uuid.uuid4().hex,
+        "instance_id": instance_id,
+        "messages": [{"role": "user", "content": f"q {instance_id}"}, {"role": "assistant", "content": "a"}],
+        "reward": reward,
+        "extra_info": {"k": instance_id},
+        "status": status,
+        **extra,
+    }
+
+
+def start_run(client: httpx.Client, input_file: Path, *, task_type: str = "math", repeats: int = 2,
+              epochs: int = 1, **extra: Any) -> str:
+    body = {"task_type": task_type, "input_file": str(input_file), "num_repeat_per_sample": str(repeats),
+            "num_epoch": str(epochs), "num_process": "4", **extra}
+    response = client.post("/start_rollout", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["run_id"]
