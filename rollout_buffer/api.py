@@ -151,7 +151,9 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
             return error_response(404, f"unknown run_id {run_id!r}")
         task = state.registry.get(meta.get("task_type", ""))
         config = await state.store.run_config(run_id) or {}
-        min_valid = int(config.get("min_valid_group_size") or meta.get("group_size") or 1)
+        # Groups reach a reader complete, or incomplete only by the group-timeout hand_over policy, which
+        # must not be undone by the default size check; `min_valid_group_size` in /start_rollout raises it.
+        min_valid = int(config.get("min_valid_group_size") or 1)
         answer = await read_rollout_data(state.store, run_id, task, num=body.num, wait_s=body.wait_s,
                                          min_valid_group_size=min_valid)
         state.reads.labels("data" if answer["success"] else "empty").inc()

@@ -17,6 +17,10 @@ from rollout_buffer import keys, lua
 from rollout_buffer.packing import pack_record, unpack_record
 
 
+SOCKET_TIMEOUT_S = 30.0
+BLOCKING_SLICE_S = 5.0
+
+
 @dataclass(frozen=True)
 class WriteOutcome:
     """What a write did: `stored`, `completed` (it completed its group), `duplicate`, or `dropped`."""
@@ -69,7 +73,9 @@ class Store:
 
     @classmethod
     def from_url(cls, url: str) -> "Store":
-        return cls(aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30))
+        # Every Redis call has a time limit; blocking reads wait in slices shorter than it.
+        return cls(aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30,
+                                           socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10))
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -192,13 +198,17 @@ class Store:
         return None if head is None else int(await self.redis.hlen(_text(head) or ""))
 
     async def wait_for_ready(self, run_id: str, timeout_s: float) -> bool:
-        """Block until a group completes (or `timeout_s` passes); True if one may be ready."""
+        """Block until a group completes, or at most `timeout_s` (one slice of it); True if one may be ready.
+        Callers loop until their own deadline."""
         if await self.redis.llen(keys.ready(run_id)) > 0:
             return True
         if timeout_s <= 0:
             return False
-        got = await self.redis.blpop([keys.wake(run_id)], timeout=max(timeout_s, 0.01))
-        return got is not None
+        wait = min(max(timeout_s, 0.01), BLOCKING_SLICE_S)
+        try:
+            return await self.redis.blpop([keys.wake(run_id)], timeout=wait) is not None
+        except aioredis.TimeoutError:
+            return False
 
     async def expire_groups(self, run_id: str, older_than_s: float, policy: str, limit: int = 1000) -> int:
         """Apply the group-timeout policy to incomplete groups; returns how many were closed."""
