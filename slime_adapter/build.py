@@ -1,0 +1,219 @@
+"""Trajectory records -> training `Sample`s: the token path when `turns` exist, the message path otherwise.
+
+The token path uses the engine's own ids and never touches a tokenizer. The message path re-renders the
+messages with the chat template (mask_source "retokenized") and is only as exact as that rendering; the
+sample's metadata says which one produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_buffer.schema import TrajectoryRecord
+from slime_adapter.loss_mask import MultiTurnLossMaskGenerator
+from slime_adapter.sample import make_sample, status_from_record
+from slime_adapter.token_path import build_token_pieces
+
+__all__ = ["BuildStats", "TokenizerGetter", "build_samples", "build_group_samples"]
+
+TokenizerGetter = Callable[[], Any]
+
+MASK_SOURCE_TOKENS = "tokens"
+MASK_SOURCE_RETOKENIZED = "retokenized"
+# finish reasons meaning the last generation was cut off: it never produced its end-of-turn token
+_CUT_OFF = frozenset({"length", "abort"})
+
+
+@dataclass
+class BuildStats:
+    """Counts over one record or a whole group (see `merge`)."""
+
+    records: int = 0
+    samples: int = 0
+    forks: int = 0
+    token_path_records: int = 0
+    retokenized_records: int = 0
+    prompt_tokens: int = 0
+    response_tokens: int = 0
+    generated_tokens: int = 0
+    pieces: list[dict[str, int]] = field(default_factory=list)
+
+    def add_piece(self, prompt_tokens: int, response_tokens: int, generated_tokens: int) -> None:
+        self.samples += 1
+        self.prompt_tokens += prompt_tokens
+        self.response_tokens += response_tokens
+        self.generated_tokens += generated_tokens
+        self.pieces.append(
+            {"prompt_tokens": prompt_tokens, "response_tokens": response_tokens, "generated_tokens": generated_tokens}
+        )
+
+    def merge(self, other: "BuildStats") -> None:
+        self.records += other.records
+        self.samples += other.samples
+        self.forks += other.forks
+        self.token_path_records += other.token_path_records
+        self.retokenized_records += other.retokenized_records
+        self.prompt_tokens += other.prompt_tokens
+        self.response_tokens += other.response_tokens
+        self.generated_tokens += other.generated_tokens
+        self.pieces.extend(other.pieces)
+
+
+def _status_text(record: TrajectoryRecord) -> str:
+    """The record's explicit status; without one, slime's rule: finish_reason "length" means truncated."""
+    if "status" in record.model_fields_set:
+        return record.status
+    reason = record.finish_reason or record.extra_info.get("finish_reason")
+    if reason == "length":
+        return "truncated"
+    if reason == "abort":
+        return "aborted"
+    return "completed"
+
+
+def _index_of(instance_id: str) -> int | str:
+    """slime's `Sample.index` is an int; instance ids that are decimal numbers become one."""
+    return int(instance_id) if instance_id.isdecimal() else instance_id
+
+
+def _assistant_texts(messages: Sequence[dict[str, Any]]) -> list[str]:
+    texts = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            content = m.get("content")
+            texts.append(content if isinstance(content, str) else "")
+    return texts
+
+
+def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_index: int | None) -> dict[str, Any]:
+    raw_reward = record.raw_reward if record.raw_reward is not None else record.reward
+    label = getattr(record, "label", None)
+    if label is None:
+        label = record.extra_info.get("label")
+    metadata = {
+        **record.extra_info,
+        "raw_reward": raw_reward,
+        "mask_source": mask_source,
+        "uid": record.uid,
+        "instance_id": record.instance_id,
+        "record_status": status,
+        "weight_version": record.weight_version,
+    }
+    return {
+        "group_index": group_index,
+        "index": _index_of(record.instance_id),
+        "prompt": record.uid,
+        "label": label,
+        "reward": record.reward,
+        "status": status_from_record(status),
+        "metadata": metadata,
+    }
+
+
+def _token_path_samples(
+    record: TrajectoryRecord, status: str, group_index: int | None
+) -> tuple[list[Any], BuildStats]:
+    assert record.turns is not None
+    result = build_token_pieces(record.turns)
+    stats = BuildStats(records=1, forks=result.forks, token_path_records=1)
+    texts = _assistant_texts(record.messages)
+    aligned = len(texts) == len(record.turns)
+    samples = []
+    for k, piece in enumerate(result.pieces):
+        fields = _base_fields(record, status, MASK_SOURCE_TOKENS, group_index)
+        versions = [v for v in piece.weight_versions if v is not None]
+        meta = fields["metadata"]
+        if meta["weight_version"] is None and versions:
+            meta["weight_version"] = versions[-1]
+        meta["weight_versions"] = list(piece.weight_versions)
+        if len(result.pieces) > 1:
+            meta["fork"] = k
+            meta["num_forks"] = result.forks
+        piece_texts = texts[piece.first_turn:piece.last_turn + 1] if aligned else texts
+        samples.append(
+            make_sample(
+                **fields,
+                tokens=piece.tokens,
+                response="\n".join(piece_texts),
+                response_length=piece.response_length,
+                loss_mask=piece.loss_mask,
+                rollout_log_probs=piece.rollout_log_probs,
+                weight_versions=[str(v) for v in versions],
+            )
+        )
+        stats.add_piece(piece.prompt_length, piece.response_length, piece.generated_tokens)
+    return samples, stats
+
+
+def _message_path_samples(
+    record: TrajectoryRecord,
+    status: str,
+    tokenizer_getter: TokenizerGetter,
+    loss_mask_type: str,
+    group_index: int | None,
+) -> tuple[list[Any], BuildStats]:
+    stats = BuildStats(records=1, retokenized_records=1)
+    fields = _base_fields(record, status, MASK_SOURCE_RETOKENIZED, group_index)
+    if record.messages:
+        generator = MultiTurnLossMaskGenerator(tokenizer_getter(), loss_mask_type)
+        prompt_ids, response_ids, mask = generator.get_prompt_response(record.messages, record.tools)
+        last = record.messages[-1]
+        reason = record.finish_reason or record.extra_info.get("finish_reason")
+        if last.get("role") == "assistant" and reason in _CUT_OFF and mask:
+            # the template closes every message, but a cut-off generation never sampled that end token
+            end = max(i for i, m in enumerate(mask) if m)
+            if response_ids[end] == generator.end_token_id:
+                mask[end] = 0
+                fields["metadata"]["end_token_unmasked"] = True
+    else:
+        prompt_ids, response_ids, mask = [], [], []
+    versions = [str(record.weight_version)] if record.weight_version is not None else []
+    sample = make_sample(
+        **fields,
+        tokens=prompt_ids + response_ids,
+        response="\n".join(_assistant_texts(record.messages)),
+        response_length=len(response_ids),
+        loss_mask=mask,
+        rollout_log_probs=None,
+        weight_versions=versions,
+    )
+    assert len(sample.loss_mask) == sample.response_length
+    stats.add_piece(len(prompt_ids), len(response_ids), sum(mask))
+    return [sample], stats
+
+
+def build_samples(
+    record: dict[str, Any] | TrajectoryRecord,
+    tokenizer_getter: TokenizerGetter,
+    loss_mask_type: str = "qwen",
+    *,
+    group_index: int | None = None,
+) -> tuple[list[Any], BuildStats]:
+    """Samples of one record (more than one when its token history forks) and their counts.
+
+    `tokenizer_getter()` is called only on the message path, so token-path records never load one.
+    """
+    rec = record if isinstance(record, TrajectoryRecord) else TrajectoryRecord.model_validate(record)
+    status = _status_text(rec)
+    if rec.turns:
+        return _token_path_samples(rec, status, group_index)
+    return _message_path_samples(rec, status, tokenizer_getter, loss_mask_type, group_index)
+
+
+def build_group_samples(
+    records: Iterable[dict[str, Any] | TrajectoryRecord],
+    tokenizer_getter: TokenizerGetter,
+    loss_mask_type: str = "qwen",
+    *,
+    group_index: int | None = None,
+) -> tuple[list[Any], BuildStats]:
+    """All samples of one group, record order kept (forks follow their record)."""
+    samples: list[Any] = []
+    total = BuildStats()
+    for record in records:
+        built, stats = build_samples(record, tokenizer_getter, loss_mask_type, group_index=group_index)
+        samples.extend(built)
+        total.merge(stats)
+    return samples, total

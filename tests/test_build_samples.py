@@ -1,0 +1,135 @@
+"""Records -> Samples: path choice, status and metadata mapping, group order, invariants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from slime_adapter.build import build_group_samples, build_samples
+from slime_adapter.collate import collate, extract_response
+from slime_adapter.sample import Sample
+
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "Solve the problem."},
+    {"role": "user", "content": "What is 6*7?"},
+    {"role": "assistant", "content": "6*7 = 42."},
+]
+
+
+def _record(uid: str, reward: float, **extra: Any) -> dict[str, Any]:
+    return {"uid": uid, "instance_id": "5", "messages": MESSAGES, "reward": reward, "extra_info": {"split": "train"}, **extra}
+
+
+def _token_record(tok: Any, uid: str, reward: float, logprobs: bool = True) -> dict[str, Any]:
+    prompt = tok.apply_chat_template(MESSAGES[:2], tokenize=True, return_dict=False, add_generation_prompt=True)
+    out = tok.encode("42", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    turn = {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-0.2] * len(out) if logprobs else None, "weight_version": 7}
+    return _record(uid, reward, turns=[turn], raw_reward=3.0)
+
+
+def _check_invariants(sample: Any) -> None:
+    assert len(sample.loss_mask) == sample.response_length
+    if sample.rollout_log_probs is not None:
+        assert len(sample.rollout_log_probs) == sample.response_length
+    assert 0 < sample.response_length <= len(sample.tokens)
+
+
+def test_message_path_is_retokenized_and_exact(qwen_tokenizer: Any) -> None:
+    calls: list[int] = []
+
+    def getter() -> Any:
+        calls.append(1)
+        return qwen_tokenizer
+
+    samples, stats = build_samples(_record("m-1", 1.0, weight_version="w3"), getter, "qwen")
+    (sample,) = samples
+    _check_invariants(sample)
+    assert calls == [1]
+    assert sample.tokens == qwen_tokenizer.apply_chat_template(MESSAGES, tokenize=True, return_dict=False)
+    assert sample.metadata["mask_source"] == "retokenized"
+    assert sample.metadata["uid"] == "m-1" and sample.metadata["split"] == "train"
+    assert sample.metadata["raw_reward"] == 1.0 and sample.metadata["weight_version"] == "w3"
+    assert sample.rollout_log_probs is None
+    assert sample.index == 5 and sample.prompt == "m-1" and sample.response == "6*7 = 42."
+    assert sample.status == Sample.Status.COMPLETED
+    generated = [t for t, m in zip(sample.tokens[-sample.response_length:], sample.loss_mask) if m]
+    assert qwen_tokenizer.decode(generated) == "6*7 = 42.<|im_end|>"
+    assert stats.retokenized_records == 1 and stats.generated_tokens == len(generated)
+
+
+@pytest.mark.parametrize("status", ["completed", "truncated", "aborted", "failed"])
+def test_status_mapping(qwen_tokenizer: Any, status: str) -> None:
+    (sample,), _ = build_samples(_record("s", 0.0, status=status), lambda: qwen_tokenizer, "qwen")
+    assert sample.metadata["record_status"] == status
+    expected = {"completed": "COMPLETED", "truncated": "TRUNCATED", "aborted": "ABORTED", "failed": "FAILED"}[status]
+    if not hasattr(Sample.Status, expected):  # an older slime without FAILED
+        expected = "ABORTED"
+    assert sample.status.name == expected
+
+
+def test_cut_off_generation_leaves_end_token_unmasked(qwen_tokenizer: Any) -> None:
+    (full,), _ = build_samples(_record("a", 0.0), lambda: qwen_tokenizer, "qwen")
+    (cut,), _ = build_samples(_record("b", 0.0, finish_reason="length"), lambda: qwen_tokenizer, "qwen")
+    assert cut.status == Sample.Status.TRUNCATED  # no explicit status: slime's finish_reason rule
+    assert cut.tokens == full.tokens
+    assert sum(full.loss_mask) - sum(cut.loss_mask) == 1
+    last_one = max(i for i, m in enumerate(full.loss_mask) if m)
+    assert full.tokens[-full.response_length:][last_one] == qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert cut.loss_mask[last_one] == 0 and cut.metadata["end_token_unmasked"] is True
+
+
+def test_group_keeps_order_and_counts(qwen_tokenizer: Any) -> None:
+    records = [_token_record(qwen_tokenizer, "g-0", 1.0), _record("g-1", 0.0), _token_record(qwen_tokenizer, "g-2", 0.5, logprobs=False)]
+    samples, stats = build_group_samples(records, lambda: qwen_tokenizer, "qwen", group_index=3)
+    assert [s.prompt for s in samples] == ["g-0", "g-1", "g-2"]
+    assert [s.metadata["mask_source"] for s in samples] == ["tokens", "retokenized", "tokens"]
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.5]
+    assert samples[0].metadata["raw_reward"] == 3.0 and samples[0].metadata["weight_version"] == 7
+    assert samples[0].rollout_log_probs == [-0.2] * samples[0].response_length
+    assert samples[2].rollout_log_probs is None
+    assert all(getattr(s, "group_index", 3) == 3 for s in samples)
+    for s in samples:
+        _check_invariants(s)
+    assert stats.records == 3 and stats.samples == 3 and stats.forks == 0
+    assert stats.token_path_records == 2 and stats.retokenized_records == 1
+    assert stats.response_tokens == sum(s.response_length for s in samples)
+    assert stats.generated_tokens == sum(sum(s.loss_mask) for s in samples)
+
+    batch = collate(samples, pad_token_id=qwen_tokenizer.pad_token_id)
+    for i, s in enumerate(samples):
+        assert extract_response(batch["loss_mask"][i], s.response_length).tolist() == s.loss_mask
+        assert extract_response(batch["input_ids"][i], len(s.tokens)).tolist() == s.tokens
+
+
+def test_forked_record_yields_one_sample_per_piece(qwen_tokenizer: Any) -> None:
+    tok = qwen_tokenizer
+    record = _token_record(tok, "f", 1.0)
+    first = record["turns"][0]
+    drifted = tok.encode(" " + tok.decode(first["prompt_ids"]), add_special_tokens=False)  # does not extend history
+    out = tok.encode("Done", add_special_tokens=False)
+    record["turns"] = [first, {"prompt_ids": drifted, "output_ids": out, "output_logprobs": [-1.0] * len(out)}]
+    samples, stats = build_samples(record, lambda: tok, "qwen")
+    assert stats.forks == 1 and len(samples) == 2
+    assert [s.metadata["fork"] for s in samples] == [0, 1]
+    assert samples[1].tokens == drifted + out and samples[1].response_length == len(out)
+    assert all(s.reward == 1.0 and s.prompt == "f" for s in samples)
+    for s in samples:
+        _check_invariants(s)
+
+
+def test_bad_record_is_rejected(qwen_tokenizer: Any) -> None:
+    with pytest.raises(ValueError):
+        build_samples({"uid": "x", "instance_id": "1", "messages": [], "reward": float("nan")}, lambda: qwen_tokenizer)
+
+
+def test_get_tokenizer_loads_once_per_path(qwen_tokenizer: Any) -> None:
+    from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+    from slime_adapter.tokenizers import get_tokenizer
+
+    path = str(qwen_tokenizer_dir("qwen2.5"))
+    first = get_tokenizer(path)
+    assert get_tokenizer(path) is first
+    assert first.encode("What is 6*7?") == qwen_tokenizer.encode("What is 6*7?")
+    with pytest.raises(ValueError):
+        get_tokenizer("")
