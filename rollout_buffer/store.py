@@ -18,6 +18,7 @@ from rollout_buffer.packing import pack_record, unpack_record
 
 
 SOCKET_TIMEOUT_S = 30.0
+POOL_WAIT_S = 30.0
 BLOCKING_SLICE_S = 5.0
 
 
@@ -72,10 +73,15 @@ class Store:
         self._expire = client.register_script(lua.EXPIRE_GROUPS)
 
     @classmethod
-    def from_url(cls, url: str) -> "Store":
-        # Every Redis call has a time limit; blocking reads wait in slices shorter than it.
-        return cls(aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30,
-                                           socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10))
+    def from_url(cls, url: str, max_connections: int = 128) -> "Store":
+        # A blocking pool: under load, callers queue for a connection (up to POOL_WAIT_S) instead of failing
+        # with "too many connections". Every Redis call has a time limit; blocking reads wait in slices
+        # shorter than it.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=POOL_WAIT_S, decode_responses=False,
+            health_check_interval=30, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10,
+        )
+        return cls(aioredis.Redis(connection_pool=pool))
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -1,0 +1,98 @@
+"""Read cost vs backlog: `/get_rollout_data` latency for 128 ready groups x 8, with few and with 100x
+more incomplete groups pending. Both measured in the same run against the same server; prints the ratio.
+
+The server is a real `rollout-buffer serve` process on the embedded Redis. Incomplete groups are written
+straight into its Redis through the same store code the API uses (fast to set up); the timed reads go
+over HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollout_buffer.store import Store
+
+GROUPS, GROUP_SIZE = 128, 8
+
+
+def _record(instance_id: str, uid: str, tokens: int = 256) -> dict[str, Any]:
+    prompt = list(range(1000, 1000 + tokens // 2))
+    output = list(range(2000, 2000 + tokens // 2))
+    return {
+        "uid": uid, "instance_id": instance_id, "reward": 1.0, "extra_info": {}, "status": "completed",
+        "messages": [{"role": "user", "content": "q" * 200}, {"role": "assistant", "content": "a" * 200}],
+        "turns": [{"prompt_ids": prompt, "output_ids": output, "output_logprobs": [-0.5] * len(output),
+                   "finish_reason": "stop", "weight_version": "1"}],
+    }
+
+
+async def _write_many(store: Store, run_id: str, records: list[dict[str, Any]], concurrency: int = 256) -> None:
+    for start in range(0, len(records), concurrency):
+        await asyncio.gather(*(store.write_record(run_id, r) for r in records[start:start + concurrency]))
+
+
+async def _measure(store: Store, client: httpx.AsyncClient, run_id: str, pending: int, trials: int) -> list[float]:
+    await _write_many(store, run_id, [_record(f"pending-{i}", f"p-{i}") for i in range(pending)])
+    timings: list[float] = []
+    for trial in range(trials):
+        ready = [_record(f"t{trial}-g{g}", f"t{trial}-g{g}-{m}") for g in range(GROUPS) for m in range(GROUP_SIZE)]
+        await _write_many(store, run_id, ready)
+        started = time.perf_counter()
+        answer = (await client.post("/get_rollout_data", json={"run_id": run_id})).json()
+        timings.append(time.perf_counter() - started)
+        assert len(answer["data"]["data"]) == GROUPS * GROUP_SIZE, answer["message"]
+    return timings
+
+
+async def _run_async(url: str, redis_url: str, input_file: Path, few: int, many: int, trials: int) -> dict[str, Any]:
+    store = Store.from_url(redis_url)
+    results: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for label, pending in (("few", few), ("many", many)):
+            run = await client.post("/start_rollout", json={
+                "task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": GROUP_SIZE,
+                "run_id": f"bench-read-{label}-{int(time.time() * 1000)}"})
+            run_id = run.json()["run_id"]
+            timings = await _measure(store, client, run_id, pending, trials)
+            results[label] = {"pending_groups": pending, "median_s": statistics.median(timings), "timings_s": timings}
+    await store.close()
+    results["ratio"] = results["many"]["median_s"] / results["few"]["median_s"]
+    return results
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Returns {few, many, ratio}; `quick` keeps the 100x backlog ratio at a smaller size."""
+    from tests.helpers import ServerProcess, write_jsonl
+
+    few, many, trials = (1_000, 100_000, 5) if not quick else (500, 50_000, 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        input_file = write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "x"}])
+        tasks = Path(__file__).resolve().parent.parent / "tests" / "tasks"
+        with ServerProcess(tmp_path / "data", "--task-dir", str(tasks)) as server:
+            redis_url = f"unix://{(tmp_path / 'data' / 'redis.sock').resolve()}"
+            return asyncio.run(_run_async(server.url, redis_url, input_file, few, many, trials))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    result = run(args.quick)
+    print(f"read {GROUPS} groups x {GROUP_SIZE}: {result['few']['pending_groups']:>7} pending "
+          f"{result['few']['median_s'] * 1000:7.1f} ms | {result['many']['pending_groups']:>7} pending "
+          f"{result['many']['median_s'] * 1000:7.1f} ms | ratio {result['ratio']:.2f} (target <= 1.3)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
