@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import multiprocessing
+import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +88,19 @@ CALLS_TEXT = (
 )
 
 
+@functools.lru_cache(maxsize=1)
+def _reference() -> Any:
+    """qwen_tokenizer's own tiktoken-based encoder, the ground truth for ids."""
+    return get_reference_tokenizer("qwen2.5-72b-instruct")
+
+
 def _render(tok: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     return tok.apply_chat_template(messages, tokenize=False, **kwargs)
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_plain_text_matches_qwen_reference_encoder(qwen_tokenizer: Any, qwen3_tokenizer: Any, text: str) -> None:
-    reference = get_reference_tokenizer("qwen2.5-72b-instruct")
-    expected = reference.encode(text)
+    expected = _reference().encode(text)
     assert qwen_tokenizer.encode(text, add_special_tokens=False) == expected
     assert qwen3_tokenizer.encode(text, add_special_tokens=False) == expected
 
@@ -169,9 +177,7 @@ def test_r1_tokens_and_bos(r1_tokenizer: Any) -> None:
 def test_qwen25_template_renders_tools_and_tool_turns(qwen_tokenizer: Any) -> None:
     text = _render(qwen_tokenizer, CONVERSATION, tools=TOOLS, add_generation_prompt=True)
     assert text == (
-        "<|im_start|>system\nBe brief.\n\n"
-        + QWEN_TOOLS_BLOCK
-        + "<|im_start|>user\nWhat is 12 + 7 * 3?<|im_end|>\n"
+        "<|im_start|>system\nBe brief.\n\n" + QWEN_TOOLS_BLOCK + "<|im_start|>user\nWhat is 12 + 7 * 3?<|im_end|>\n"
         "<|im_start|>assistant\n" + CALLS_TEXT + "<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n33\n</tool_response>\n<tool_response>\n21\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n<think>\nadd them\n</think>\n\nThe answer is \\boxed{33}<|im_end|>\n"
@@ -195,9 +201,7 @@ def test_qwen25_default_system_prompt(qwen_tokenizer: Any) -> None:
 def test_qwen3_template_strips_reasoning_before_last_query(qwen3_tokenizer: Any) -> None:
     text = _render(qwen3_tokenizer, CONVERSATION, tools=TOOLS, add_generation_prompt=True)
     assert text == (
-        "<|im_start|>system\nBe brief.\n\n"
-        + QWEN_TOOLS_BLOCK
-        + "<|im_start|>user\nWhat is 12 + 7 * 3?<|im_end|>\n"
+        "<|im_start|>system\nBe brief.\n\n" + QWEN_TOOLS_BLOCK + "<|im_start|>user\nWhat is 12 + 7 * 3?<|im_end|>\n"
         "<|im_start|>assistant\n" + CALLS_TEXT + "<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n33\n</tool_response>\n<tool_response>\n21\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\nThe answer is \\boxed{33}<|im_end|>\n"
@@ -249,22 +253,27 @@ def test_tokenized_template_equals_encoded_text(template: str) -> None:
     assert tok.decode(ids) == text
 
 
-def _build_in(args: tuple[str, str]) -> str:
-    template, cache = args
-    return str(qwen_tokenizer_dir(template, cache_dir=cache))
-
-
 def test_concurrent_builds_share_one_directory(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(2) as pool:
-        paths = pool.map(_build_in, [("qwen2.5", str(tmp_path))] * 2)
-    assert paths[0] == paths[1]
-    built = Path(paths[0])
+    # Another process builds into the same fresh cache while this one does too.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = (
+        "import sys; from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir as d; "
+        "print(d('qwen2.5', sys.argv[1]))"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        built = qwen_tokenizer_dir("qwen2.5", cache_dir=tmp_path)
+        out, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0
+    assert Path(out.strip()) == built
     assert built.is_relative_to(tmp_path) and built.name == "qwen2.5"
     assert not [p for p in built.parent.iterdir() if p.name.startswith(".build-")]
     tok = AutoTokenizer.from_pretrained(str(built))
     assert tok.encode("<|im_start|>user", add_special_tokens=False) == [151644, 872]
-    # A second call finds the cached build and returns without rebuilding.
+    # A later call finds the cached build and returns without rebuilding.
     mtime = (built / "tokenizer.json").stat().st_mtime_ns
     assert qwen_tokenizer_dir("qwen2.5", cache_dir=tmp_path) == built
     assert (built / "tokenizer.json").stat().st_mtime_ns == mtime

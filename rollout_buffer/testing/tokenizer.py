@@ -23,7 +23,7 @@ from typing import Any
 TEMPLATES: tuple[str, ...] = ("qwen2.5", "qwen3", "r1_distill")
 
 # Bump when the build recipe changes so old caches are not reused.
-_BUILD_RECIPE = "qwen-bpe-v1"
+_BUILD_RECIPE = "qwen-bpe-v2"
 
 # Qwen2's pre-tokenizer: single digits, letters with one leading non-letter, etc.
 QWEN_PATTERN = (
@@ -72,14 +72,17 @@ R1_EOS = "<｜end▁of▁sentence｜>"
 R1_USER = "<｜User｜>"
 R1_ASSISTANT = "<｜Assistant｜>"
 _R1_ADDED: tuple[tuple[str, bool], ...] = (
-    (R1_EOS, True),  # 151643
-    (R1_USER, False),  # 151644
-    (R1_ASSISTANT, False),  # 151645
-    (R1_BOS, True),  # 151646
-    ("<|EOT|>", True),  # 151647
-    ("<think>", False),  # 151648
-    ("</think>", False),  # 151649
-) + _QWEN25_ADDED[7:]
+    (
+        (R1_EOS, True),  # 151643
+        (R1_USER, False),  # 151644
+        (R1_ASSISTANT, False),  # 151645
+        (R1_BOS, True),  # 151646
+        ("<|EOT|>", True),  # 151647
+        ("<think>", False),  # 151648
+        ("</think>", False),  # 151649
+    )
+    + _QWEN25_ADDED[7:]
+)
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,13 @@ def _build_into(template: str, out_dir: Path) -> None:
     tok.chat_template = chat_template_text(template)
     tok.model_max_length = 131072
     tok.save_pretrained(str(out_dir))
+    # Name a class every transformers version knows, and keep the template inline too,
+    # so older releases (which ignore chat_template.jinja) load the same tokenizer.
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = tok.chat_template
+    config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
     for content, token_id in added_token_ids(template).items():
         if tok.convert_tokens_to_ids(content) != token_id:
             raise RuntimeError(f"{content!r} did not get id {token_id}")
@@ -237,7 +247,7 @@ def qwen_tokenizer_dir(template: str = "qwen2.5", cache_dir: str | Path | None =
     return final
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_qwen_tokenizer(template: str = "qwen2.5") -> Any:
     """Load (building if needed) the fast tokenizer of a flavour, once per process."""
     from transformers import AutoTokenizer
