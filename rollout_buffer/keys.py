@@ -21,8 +21,13 @@ the active-run pointer, remote rollouts) are only ever touched one key per comma
     rb:{R}:closed                   set    group keys already completed, handed over or dropped
     rb:{R}:since_groups             set    groups written to since the previous read (meta_info)
     rb:{R}:timed_out                list   "epoch:instance_id" of groups dropped by the group timeout
+    rb:{R}:samples                  hash   instance_id -> input line (JSON), written once by the enqueuer
+    rb:{R}:attempts                 hash   task id -> times a worker started it (poison-task cap)
+    rb:run_events                   stream run ids launched, so workers anywhere notice new runs (XREAD BLOCK)
     rb:remote:{rollout_id}          hash   state of a remote rollout started by POST /init
     rb:remote:index                 zset   remote rollout ids by start time
+    rb:remote_open                  zset   remote rollout ids not yet settled (unfinished or callback undelivered)
+    rb:remote_owner:{owner_id}      string liveness lease (with TTL) of the API process running remote rollouts
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ PREFIX = "rb"
 RUNS = f"{PREFIX}:runs"
 ACTIVE_RUN = f"{PREFIX}:active_run"
 REMOTE_INDEX = f"{PREFIX}:remote:index"
+RUN_EVENTS = f"{PREFIX}:run_events"
 WORKER_GROUP = "workers"
 
 
@@ -111,3 +117,19 @@ def timed_out(run_id: str) -> str:
 
 def remote(rollout_id: str) -> str:
     return f"{PREFIX}:remote:{rollout_id}"
+
+
+# Not under `rb:remote:` so that no rollout_id can collide with them.
+REMOTE_OPEN = f"{PREFIX}:remote_open"
+
+
+def remote_owner(owner_id: str) -> str:
+    return f"{PREFIX}:remote_owner:{owner_id}"
+
+
+def samples(run_id: str) -> str:
+    return f"{_tag(run_id)}:samples"
+
+
+def attempts(run_id: str) -> str:
+    return f"{_tag(run_id)}:attempts"

@@ -17,7 +17,26 @@ Optional group hooks, with slime's signatures (see `rollout_buffer.groups` for t
 * `transform_group(group: tuple[str, list[dict]], task_type: str) -> tuple[str, list[dict]]`
 * `get_group_data_meta_info(temp_data: dict[str, list[dict]]) -> dict`
 
-Optional: `TOOLS: list[dict]` (OpenAI tool schemas the prompt is rendered with).
+Optional: `TOOLS: list[dict]` (OpenAI tool schemas the prompt is rendered with; `ctx.engine.chat` uses
+them unless given `tools=`).
+
+What the runtime does for a native module (`rollout_buffer.runtime`):
+
+* One task per (epoch, input line, repeat), enqueued up front on the run's Redis stream. The record's
+  `uid` is `{run_id}:{epoch}:{instance_id}:{repeat}`, so a task done twice is stored once.
+* It fills in `uid, instance_id, epoch, repeat, attempt, timestamp, duration_s`, `turns` (from
+  `ctx.engine.turns`), `tools`, `weight_version` (of the first engine call), `finish_reason` (of the last),
+  and `status` when the task gives none: `truncated` if the last generation hit the token limit, `aborted`
+  if it stayed aborted, else `completed`.
+* An exception, an `EngineError` (after the client's retries), a `HistoryRewriteError`, a result without
+  `messages`/`reward`, or the per-rollout time limit becomes a record with `status="failed"`,
+  `reward=0.0`, `extra_info={"error": ..., "error_type": ...}` and no turns, so the group still completes.
+
+The engine client (`ctx.engine`) is chosen by the run's `engine_api` (`/start_rollout` field):
+`"generate"` (default) talks token in / token out to SGLang `/generate` and records `turns`; `"chat"` talks
+to `/v1/chat/completions` and records no turns. `ChatResult.finish_reason` is `stop`, `length` or `abort`
+either way. Each call's history must extend the previous call's (append the returned message and the new
+ones; never edit earlier messages), else `HistoryRewriteError`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""`rollout-buffer demo`: the whole loop on one machine, in well under a minute.
+
+It starts the SGLang test engine, a `rollout-buffer serve` process (embedded Redis in a temp dir), writes a
+small math JSONL, runs the built-in `math` task on it and shows what a trainer would receive from
+`/get_rollout_data`: whole groups, GRPO-normalised rewards, token counts, and one record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from tqdm import tqdm
+
+from rollout_buffer.testing.engine import run_engine_in_thread
+from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"the server at {url} did not become healthy in {timeout_s:g}s")
+
+
+def _write_prompts(path: Path, count: int) -> None:
+    rows = [{"instance_id": f"demo-{i}", "prompt": f"What is {3 * i + 4} * {i + 2} - {i}?",
+             "label": str((3 * i + 4) * (i + 2) - i)} for i in range(count)]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+
+
+def _compact(record: dict[str, Any]) -> dict[str, Any]:
+    """One record for printing: long token lists cut to their ends."""
+    shown = {k: v for k, v in record.items() if k not in ("turns", "messages")}
+    shown["messages"] = record["messages"]
+    shown["turns"] = [
+        {**turn, "prompt_ids": f"[{len(turn['prompt_ids'])} ids ... {turn['prompt_ids'][-4:]}]",
+         "output_ids": f"[{len(turn['output_ids'])} ids ... {turn['output_ids'][-4:]}]",
+         "output_logprobs": f"[{len(turn['output_logprobs'])} logprobs]"}
+        for turn in record.get("turns") or []
+    ]
+    return shown
+
+
+def _summary(groups: list[list[dict[str, Any]]], seconds: float) -> str:
+    lines = [f"\n{len(groups)} groups, {sum(len(g) for g in groups)} trajectories in {seconds:.1f}s\n",
+             f"{'group':<10} {'epoch':>5}  {'raw rewards':<20} {'GRPO rewards':<34} {'prompt/output tokens'}"]
+    for group in groups:
+        raw = " ".join(f"{r['raw_reward']:.0f}" for r in group)
+        normalised = " ".join(f"{r['reward']:+.2f}" for r in group)
+        prompt = len(group[0]["turns"][0]["prompt_ids"])
+        outputs = ",".join(str(sum(len(t["output_ids"]) for t in r["turns"])) for r in group)
+        lines.append(f"{group[0]['instance_id']:<10} {group[0]['epoch']:>5}  {raw:<20} {normalised:<34} "
+                     f"{prompt}/{outputs}")
+    return "\n".join(lines)
+
+
+def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, workdir: Path) -> int:
+    input_file = workdir / "math.jsonl"
+    _write_prompts(input_file, prompts)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = workdir / "server.log"
+    with run_engine_in_thread(template="qwen2.5", latency_s=latency_s, seed=1) as engine, \
+            open(log_path, "ab") as log:
+        server = subprocess.Popen([sys.executable, "-m", "rollout_buffer.cli", "serve", "--port", str(port),
+                                   "--data-dir", str(workdir / "data"), "--log-level", "warning"],
+                                  stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(url, server, 30)
+            print(f"test engine at {engine.url}, buffer at {url}, data in {workdir}")
+            body = {"task_type": "math", "input_file": str(input_file), "num_repeat_per_sample": repeats,
+                    "num_epoch": 1, "num_process": 64, "remote_engine_url": engine.url,
+                    "tokenizer_path": str(qwen_tokenizer_dir("qwen2.5")),
+                    "sampling_params": {"max_tokens": 256, "temperature": 1.0}}
+            with httpx.Client(base_url=url, timeout=60) as client:
+                started = time.monotonic()
+                answer = client.post("/start_rollout", json=body)
+                answer.raise_for_status()
+                run_id = answer.json()["run_id"]
+                groups: list[list[dict[str, Any]]] = []
+                with tqdm(total=prompts, unit="group", desc="groups ready") as bar:
+                    while len(groups) < prompts:
+                        if time.monotonic() - started > timeout_s:
+                            print(f"timed out; run state: {client.get(f'/runs/{run_id}').json()}")
+                            return 1
+                        data = client.post("/get_rollout_data", json={"run_id": run_id, "wait_s": 1.0}).json()
+                        by_group: dict[tuple[int, str], list[dict[str, Any]]] = {}
+                        for record in data["data"]["data"]:
+                            by_group.setdefault((record["epoch"], record["instance_id"]), []).append(record)
+                        groups.extend(by_group.values())
+                        bar.update(len(by_group))
+                elapsed = time.monotonic() - started
+                print(_summary(groups, elapsed))
+                print("\none record as the trainer receives it (token lists shortened):")
+                print(orjson.dumps(_compact(groups[0][0]), option=orjson.OPT_INDENT_2).decode())
+                print(f"\nrun detail: GET {url}/runs/{run_id} -> tasks {client.get(f'/runs/{run_id}').json()['tasks']}")
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout-buffer demo", description=__doc__)
+    parser.add_argument("--prompts", type=int, default=8, help="math prompts (= groups) to roll out")
+    parser.add_argument("--repeats", type=int, default=4, help="samples per prompt (group size)")
+    parser.add_argument("--latency-s", type=float, default=0.2, help="test engine latency per call")
+    parser.add_argument("--timeout-s", type=float, default=45.0, help="give up after this long")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (server log, Redis data)")
+    args = parser.parse_args(argv)
+    if args.keep:
+        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, Path(tempfile.mkdtemp(prefix="rb-demo-")))
+    with tempfile.TemporaryDirectory(prefix="rb-demo-") as tmp:
+        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, Path(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

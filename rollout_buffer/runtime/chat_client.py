@@ -1,0 +1,126 @@
+"""OpenAI `/v1/chat/completions` client, for engines without `/generate`.
+
+It records messages only (no `turns`): the trainer then re-tokenizes the messages, which is marked as a
+fallback on its side. An aborted answer is continued with SGLang's `continue_final_message`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import aiohttp
+
+from rollout_buffer.runtime.engine_http import RetryPolicy, TransientEngineError, call_with_retries, post_once
+from rollout_buffer.runtime.history import HistoryGuard
+from rollout_buffer.runtime.sglang_client import ROUTING_HEADER, merge_sampling
+from rollout_buffer.task_contract import ChatResult
+
+log = logging.getLogger(__name__)
+
+
+def openai_sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """SGLang names to OpenAI's (`max_new_tokens` -> `max_tokens`); SGLang extensions pass through."""
+    out = {k: v for k, v in params.items() if k != "max_new_tokens"}
+    out["max_tokens"] = params["max_new_tokens"]
+    return out
+
+
+def parse_chat_answer(answer: dict[str, Any]) -> tuple[dict[str, Any], str, int]:
+    """(assistant message, finish_reason, completion tokens) of one answer, strictly checked."""
+    try:
+        choice = answer["choices"][0]
+        raw = choice["message"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise TransientEngineError(f"chat answer has no choices[0].message: {exc!r}") from exc
+    if not isinstance(raw, dict):
+        raise TransientEngineError("chat answer message is not an object")
+    message: dict[str, Any] = {"role": "assistant", "content": raw.get("content") or ""}
+    if raw.get("reasoning_content"):
+        message["reasoning_content"] = raw["reasoning_content"]
+    if raw.get("tool_calls"):
+        message["tool_calls"] = raw["tool_calls"]
+    usage = answer.get("usage") or {}
+    finish = str(choice.get("finish_reason") or "stop")
+    # OpenAI says "tool_calls" where SGLang's /generate says "stop": the contract uses stop | length | abort.
+    finish = "stop" if finish in ("tool_calls", "function_call") else finish
+    return message, finish, int(usage.get("completion_tokens") or 0)
+
+
+class ChatCompletionsClient:
+    """One rollout's engine client for `/v1/chat/completions`; implements `task_contract.EngineClient`."""
+
+    def __init__(self, *, session: aiohttp.ClientSession, url: str, model: str, tools: list[dict[str, Any]] | None,
+                 sampling_params: dict[str, Any], policy: RetryPolicy, routing_key: str,
+                 max_abort_continuations: int = 8, stats: Counter[str] | None = None) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+        self.model = model
+        self.default_tools = tools or None
+        self.sampling_params = dict(sampling_params)
+        self.policy = policy
+        self.routing_key = routing_key
+        self.max_abort_continuations = max_abort_continuations
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.turns: list[dict[str, Any]] = []  # stays empty: this API returns no token ids
+        self.guard = HistoryGuard()
+        self._calls = 0
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        return self.guard.conversation()
+
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                   sampling_params: dict[str, Any] | None = None) -> ChatResult:
+        tools = tools if tools is not None else self.default_tools
+        self.guard.new_messages(messages, tools)
+        params = merge_sampling(self.sampling_params, sampling_params)
+        budget = int(params["max_new_tokens"])
+        used = 0
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        finish = "length"
+        for piece in range(self.max_abort_continuations + 1):
+            if used >= budget:
+                finish = "length"
+                break
+            body: dict[str, Any] = {"model": self.model, "messages": list(messages),
+                                    **openai_sampling({**params, "max_new_tokens": budget - used})}
+            if tools:
+                body["tools"] = tools
+            if piece > 0:
+                body["messages"] = [*messages, {"role": "assistant", "content": message["content"]}]
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
+            part, finish, tokens = await self._call(body, f"{self.routing_key}:{self._calls}:{piece}")
+            used += tokens
+            message = _join(message, part)
+            if finish != "abort":
+                break
+            self.stats["engine_abort_continuations"] += 1
+        self._calls += 1
+        self.guard.record(messages, tools, message)
+        return ChatResult(message=message, finish_reason=finish, turn=None)
+
+    async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[dict[str, Any], str, int]:
+        async def attempt(number: int) -> tuple[dict[str, Any], str, int]:
+            answer = await post_once(self.session, f"{self.url}/v1/chat/completions",
+                                     {**body, "rid": f"{rid_base}:{number}"},
+                                     headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
+            return parse_chat_answer(answer)
+
+        def on_retry(error: BaseException) -> None:
+            self.stats["engine_retries"] += 1
+            log.debug("retrying chat call %s: %s", rid_base, error)
+
+        self.stats["engine_calls"] += 1
+        return await call_with_retries(attempt, self.policy, on_retry=on_retry)
+
+
+def _join(first: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """A continued answer: contents concatenated, the last piece's tool calls."""
+    joined = {**first, "content": first.get("content", "") + more.get("content", "")}
+    for name in ("reasoning_content", "tool_calls"):
+        if more.get(name):
+            joined[name] = more[name]
+    return joined

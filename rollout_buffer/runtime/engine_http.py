@@ -1,0 +1,100 @@
+"""HTTP to the engine: one pooled aiohttp session per worker process, bounded retries with backoff.
+
+Transient failures (5xx, 429, connection errors, timeouts, answers that are not the JSON we expect) are
+retried with exponential backoff and jitter via tenacity, a bounded number of times; a 4xx is the
+caller's mistake and fails at once. Either way the caller sees one `EngineError` naming the last cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random,
+)
+
+from rollout_buffer.task_contract import EngineError
+
+log = logging.getLogger(__name__)
+
+
+class TransientEngineError(EngineError):
+    """A failure worth retrying; becomes a plain EngineError when the retries run out."""
+
+
+class EngineTimeout(TransientEngineError):
+    """No answer in time: the request may still be running in the engine, so the caller may abort it."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    timeout_s: float = 600.0
+    retries: int = 4
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The worker process's pooled session: no per-host cap, so `num_process` rollouts really run at once."""
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    return aiohttp.ClientSession(connector=connector, json_serialize=lambda v: orjson.dumps(v).decode())
+
+
+async def post_once(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *,
+                    headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """One POST; classifies every failure as transient or final."""
+    try:
+        async with session.post(url, data=orjson.dumps(body), timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                headers={"Content-Type": "application/json", **headers}) as response:
+            raw = await response.read()
+            status = response.status
+    except TimeoutError as exc:
+        raise EngineTimeout(f"no answer from {url} within {timeout_s:g}s") from exc
+    except aiohttp.ClientError as exc:
+        raise TransientEngineError(f"{type(exc).__name__} talking to {url}: {exc}") from exc
+    if status >= 500 or status == 429:
+        raise TransientEngineError(f"{url} answered HTTP {status}: {raw[:200]!r}")
+    if status >= 400:
+        raise EngineError(f"{url} answered HTTP {status}: {raw[:500]!r}")
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise TransientEngineError(f"{url} answered malformed JSON: {raw[:200]!r}") from exc
+    if not isinstance(answer, dict):
+        raise TransientEngineError(f"{url} answered {type(answer).__name__}, expected a JSON object")
+    return answer
+
+
+async def call_with_retries(attempt: Callable[[int], Awaitable[Any]], policy: RetryPolicy, *,
+                            on_retry: Callable[[BaseException], None] | None = None) -> Any:
+    """Run `attempt(n)` (n counts from 1) until it succeeds, fails for good, or the retries run out."""
+
+    def before_sleep(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        if on_retry is not None and error is not None:
+            on_retry(error)
+
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(policy.retries + 1),
+        wait=wait_exponential(multiplier=policy.backoff_s, max=policy.max_backoff_s) + wait_random(0, policy.backoff_s),
+        retry=retry_if_exception_type(TransientEngineError),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        async for trial in retrying:
+            with trial:
+                return await attempt(trial.retry_state.attempt_number)
+    except TransientEngineError as exc:
+        raise EngineError(f"{exc} (gave up after {policy.retries + 1} attempts)") from exc
+    raise AssertionError("unreachable: tenacity either returns or raises")

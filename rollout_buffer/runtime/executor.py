@@ -1,0 +1,133 @@
+"""Running one task: the task module's `rollout()` under a time limit, then exactly one record.
+
+Whatever happens inside the rollout (an exception, an engine error after retries, the time limit), the
+task ends with a record, so its group completes. Only infrastructure failures (Redis unreachable) or a
+worker shutdown leave a task unacknowledged, and then another worker reclaims it after the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from rollout_buffer.runtime.chat_client import ChatCompletionsClient
+from rollout_buffer.runtime.engine_http import RetryPolicy
+from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.runtime.records import failure_record, success_record
+from rollout_buffer.runtime.sglang_client import GenerateClient
+from rollout_buffer.runtime.taskqueue import TERMINAL, Task, TaskQueue
+from rollout_buffer.schema import StartRolloutRequest
+from rollout_buffer.store import Store
+from rollout_buffer.task_contract import EngineClient, RolloutContext
+from rollout_buffer.tasks import TaskModule
+
+log = logging.getLogger(__name__)
+
+
+class RolloutTimeout(TimeoutError):
+    """The whole rollout ran past its time limit."""
+
+
+@dataclass
+class RunHandle:
+    """Everything a worker needs for one run, built once per run per worker process."""
+
+    run_id: str
+    request: StartRolloutRequest
+    options: RunOptions
+    task: TaskModule
+    tokenizer: Any | None
+    queue: TaskQueue
+
+    def engine_client(self, session: aiohttp.ClientSession, uid: str, stats: Counter[str]) -> EngineClient:
+        opts = self.options
+        policy = RetryPolicy(timeout_s=opts.engine_timeout_s, retries=opts.engine_retries,
+                             backoff_s=opts.engine_backoff_s)
+        if opts.engine_api == "chat":
+            return ChatCompletionsClient(session=session, url=opts.engine_url, model=opts.model, tools=self.task.tools,
+                                         sampling_params=opts.sampling_params, policy=policy, routing_key=uid,
+                                         max_abort_continuations=opts.max_abort_continuations, stats=stats)
+        return GenerateClient(session=session, url=opts.engine_url, tokenizer=self.tokenizer, tools=self.task.tools,
+                              sampling_params=opts.sampling_params, policy=policy, routing_key=uid,
+                              max_abort_continuations=opts.max_abort_continuations, stats=stats)
+
+
+def _prompt_messages(sample: dict[str, Any] | None) -> list[dict[str, Any]]:
+    messages = (sample or {}).get("messages")
+    return messages if isinstance(messages, list) else []
+
+
+async def execute(handle: RunHandle, task: Task, *, store: Store, session: aiohttp.ClientSession,
+                  worker: str) -> str:
+    """Run one delivered task to its record; returns the state it ended in (done | failed | skipped)."""
+    queue, run_id, uid = handle.queue, handle.run_id, task.uid(handle.run_id)
+    claim = await queue.start(task)
+    if not claim.proceed:  # finished by someone else before its ack, or its instance is skipped: acked
+        return claim.previous if claim.previous in TERMINAL else "skipped"
+    stats: Counter[str] = Counter()
+    common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
+                              "repeat": task.repeat, "attempt": claim.attempt}
+    if claim.sample is None:
+        record = failure_record("input line not found in the run's stored samples", messages=[],
+                                tools=handle.task.tools, duration_s=0.0, error_type="MissingSample", **common)
+    elif claim.attempt > handle.options.max_task_attempts:
+        record = failure_record(f"gave up after {claim.attempt - 1} deliveries without a result (a worker died or "
+                                "was stopped each time)", messages=_prompt_messages(claim.sample),
+                                tools=handle.task.tools, duration_s=0.0, error_type="TooManyAttempts", **common)
+    else:
+        record = await _rollout(handle, task, claim.sample, session=session, uid=uid, attempt=claim.attempt,
+                                stats=stats, worker=worker, started=time.monotonic())
+    if record["status"] == "failed":
+        stats[f"rollout_errors:{record['extra_info'].get('error_type', 'unknown')}"] += 1
+    outcome = await store.write_record(run_id, record)
+    if outcome.outcome == "dropped" and outcome.reason == "skipped_instance":
+        final = "skipped"
+    else:
+        final = "failed" if record["status"] == "failed" else "done"
+    await queue.finish(task, final, dict(stats))
+    return final
+
+
+async def _rollout(handle: RunHandle, task: Task, sample: dict[str, Any], *, session: aiohttp.ClientSession,
+                   uid: str, attempt: int, stats: Counter[str], worker: str, started: float) -> dict[str, Any]:
+    client = handle.engine_client(session, uid, stats)
+    logger = logging.LoggerAdapter(log, {"uid": uid, "worker": worker})
+    ctx = RolloutContext(
+        engine=client, tokenizer=handle.tokenizer, sampling_params=dict(handle.options.sampling_params),
+        attempt=attempt, logger=logger, run_id=handle.run_id, uid=uid, instance_id=task.instance_id,
+        epoch=task.epoch, repeat=task.repeat, task_type=handle.task.task_type,
+        extra={"options": handle.options.extra},
+    )
+    common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
+                              "repeat": task.repeat, "attempt": attempt}
+    limit = handle.options.rollout_timeout_s
+    try:
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                result = await handle.task.module.rollout(sample, ctx)  # a fresh copy from Redis
+        except TimeoutError as exc:
+            if not deadline.expired():  # the task's own timeout, not ours: an ordinary failure
+                raise
+            raise RolloutTimeout(f"rollout did not finish within {limit:g}s") from exc
+        last_finish = client.turns[-1]["finish_reason"] if client.turns else None
+        return success_record(result, turns=client.turns, tools=_tools_of(client, handle), last_finish=last_finish,
+                              duration_s=time.monotonic() - started, **common)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any task failure becomes a failure record
+        logger.warning("rollout %s failed: %s: %s", uid, type(exc).__name__, exc)
+        conversation = getattr(client, "conversation", None) or _prompt_messages(sample)
+        return failure_record(exc, messages=conversation, tools=_tools_of(client, handle),
+                              duration_s=time.monotonic() - started, **common)
+
+
+def _tools_of(client: EngineClient, handle: RunHandle) -> list[dict[str, Any]] | None:
+    guard = getattr(client, "guard", None)
+    return getattr(guard, "tools", None) or handle.task.tools

@@ -1,0 +1,119 @@
+"""Per-run runtime options, read from the `/start_rollout` body (stored with the run).
+
+slime's fields keep their meaning; `num_process` is the number of rollouts one worker loop keeps in flight
+(so `serve --workers 2` plus one `rollout-buffer worker` run up to 3 x num_process at once).
+Besides slime's fields, a run may set (all optional, values may be strings as slime sends them):
+
+* `engine_api`: `"generate"` (default; SGLang `/generate`, token in / token out, records `turns`) or
+  `"chat"` (OpenAI `/v1/chat/completions`, for engines without `/generate`; records messages only).
+* `engine_timeout_s`: limit on one engine HTTP call (default 600).
+* `engine_retries`: retries of an engine call on 5xx / connection errors / timeouts / malformed answers
+  (default 4), with exponential backoff from `engine_backoff_s` (default 0.5) plus jitter.
+* `max_abort_continuations`: how often an aborted generation is continued (default 8).
+* `rollout_timeout_s`: limit on one whole rollout (default: the worker's `--rollout-timeout-s`).
+* `max_task_attempts`: deliveries of one task before it is written as failed (default 3); guards against a
+  task that kills every worker that runs it.
+* `model`: the `model` field sent to `/v1/chat/completions` (default "default").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_buffer.runs import StartRolloutError
+from rollout_buffer.schema import StartRolloutRequest
+
+ENGINE_APIS = ("generate", "chat")
+DEFAULT_MAX_NEW_TOKENS = 1024
+_INT_PARAMS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "seed"}
+_FLOAT_PARAMS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
+_BOOL_PARAMS = {"skip_special_tokens", "no_stop_trim", "ignore_eos", "spaces_between_special_tokens"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """slime sends numbers as text; SGLang wants numbers."""
+    try:
+        if name in _INT_PARAMS and isinstance(value, (str, float)):
+            return int(float(value))
+        if name in _FLOAT_PARAMS and isinstance(value, str):
+            return float(value)
+        if name in _BOOL_PARAMS and isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes")
+    except ValueError as exc:
+        raise StartRolloutError(f"sampling_params.{name}", f"not a number: {value!r}") from exc
+    return value
+
+
+def sglang_sampling_params(request: StartRolloutRequest) -> dict[str, Any]:
+    """SGLang `sampling_params`: `max_tokens` (slime's name, top level or inside) becomes `max_new_tokens`."""
+    params = dict(request.sampling_params)
+    limit = params.pop("max_tokens", None)
+    if "max_new_tokens" not in params:
+        params["max_new_tokens"] = limit if limit is not None else (request.max_tokens or DEFAULT_MAX_NEW_TOKENS)
+    return {name: _coerce(name, value) for name, value in params.items()}
+
+
+def _number(extra: dict[str, Any], name: str, default: float, *, minimum: float, integer: bool = False) -> Any:
+    value = extra.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as exc:
+        raise StartRolloutError(name, f"not a number: {value!r}") from exc
+    if number < minimum:
+        raise StartRolloutError(name, f"must be >= {minimum} (got {value!r})")
+    return int(number) if integer else number
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a worker needs to know about a run, beyond the task module."""
+
+    engine_api: str
+    engine_url: str
+    tokenizer_path: str | None
+    sampling_params: dict[str, Any]
+    num_process: int
+    engine_timeout_s: float
+    engine_retries: int
+    engine_backoff_s: float
+    max_abort_continuations: int
+    rollout_timeout_s: float
+    max_task_attempts: int
+    model: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_request(cls, request: StartRolloutRequest, *, rollout_timeout_s: float) -> RunOptions:
+        """Raises StartRolloutError naming the field of an unusable value."""
+        extra = dict(request.model_extra or {})
+        engine_api = str(extra.get("engine_api") or "generate").strip().lower()
+        if engine_api not in ENGINE_APIS:
+            raise StartRolloutError("engine_api", f"must be one of {', '.join(ENGINE_APIS)} (got {engine_api!r})")
+        return cls(
+            engine_api=engine_api,
+            engine_url=request.remote_engine_url.rstrip("/"),
+            tokenizer_path=request.tokenizer_path or None,
+            sampling_params=sglang_sampling_params(request),
+            num_process=request.num_process,
+            engine_timeout_s=_number(extra, "engine_timeout_s", 600.0, minimum=0.001),
+            engine_retries=_number(extra, "engine_retries", 4, minimum=0, integer=True),
+            engine_backoff_s=_number(extra, "engine_backoff_s", 0.5, minimum=0.0),
+            max_abort_continuations=_number(extra, "max_abort_continuations", 8, minimum=0, integer=True),
+            rollout_timeout_s=_number(extra, "rollout_timeout_s", rollout_timeout_s, minimum=0.001),
+            max_task_attempts=_number(extra, "max_task_attempts", 3, minimum=1, integer=True),
+            model=str(extra.get("model") or "default"),
+            extra=extra,
+        )
+
+    def check_launchable(self, kind: str) -> None:
+        """A native run needs an engine (and, for token-exact turns, a tokenizer)."""
+        if kind != "native":
+            return
+        if not self.engine_url:
+            raise StartRolloutError("remote_engine_url", "a native task needs the engine URL")
+        if self.engine_api == "generate" and not self.tokenizer_path:
+            raise StartRolloutError("tokenizer_path", "engine_api 'generate' renders prompts with the chat "
+                                                      "template of tokenizer_path; give it (or use engine_api 'chat')")

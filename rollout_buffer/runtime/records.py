@@ -1,0 +1,63 @@
+"""Turning what a native `rollout()` returned (or how it failed) into a trajectory record.
+
+Success and failure records have the same shape, so a group with failed members still completes and the
+trainer sees the failure (status `failed`, reward 0.0, `extra_info.error` / `error_type`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rollout_buffer.schema import TrajectoryRecord
+
+# Fields the runtime owns; a task's value for them is ignored.
+_RUNTIME_FIELDS = {"uid", "instance_id", "epoch", "run_id", "turns", "timestamp", "repeat", "attempt"}
+_FINISH_TO_STATUS = {"length": "truncated", "abort": "aborted"}
+
+
+def status_from_turns(turns: list[dict[str, Any]], finish_reason: str | None) -> str:
+    """A rollout whose last generation hit the token limit is `truncated`; an unfinished abort is `aborted`."""
+    last = turns[-1]["finish_reason"] if turns else finish_reason
+    return _FINISH_TO_STATUS.get(str(last), "completed")
+
+
+def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repeat: int, attempt: int,
+                   turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   last_finish: str | None, duration_s: float) -> dict[str, Any]:
+    """Validate a task's result and complete it into a record; raises on a result that breaks the contract."""
+    if not isinstance(result, dict):
+        raise TypeError(f"rollout() must return a dict, got {type(result).__name__}")
+    if "messages" not in result or "reward" not in result:
+        raise ValueError("rollout() must return at least 'messages' and 'reward'")
+    record = {k: v for k, v in result.items() if k not in _RUNTIME_FIELDS}
+    record.update(
+        uid=uid, instance_id=instance_id, epoch=epoch, repeat=repeat, attempt=attempt, timestamp=time.time(),
+        turns=turns or None, duration_s=round(duration_s, 4),
+    )
+    record.setdefault("extra_info", {})
+    record.setdefault("tools", tools)
+    record.setdefault("status", status_from_turns(turns, last_finish))
+    if turns:
+        record.setdefault("finish_reason", turns[-1]["finish_reason"])
+        record.setdefault("weight_version", turns[0]["weight_version"])
+    elif last_finish is not None:
+        record.setdefault("finish_reason", last_finish)
+    return TrajectoryRecord.model_validate(record).model_dump()
+
+
+def failure_record(error: BaseException | str, *, uid: str, instance_id: str, epoch: int, repeat: int,
+                   attempt: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   duration_s: float, error_type: str | None = None) -> dict[str, Any]:
+    """A `failed` record carrying the error; no turns, so nothing of it can be trained on by accident."""
+    text = error if isinstance(error, str) else (str(error) or repr(error))
+    kind = error_type or (type(error).__name__ if not isinstance(error, str) else "RolloutError")
+    record = {
+        "uid": uid, "instance_id": instance_id, "epoch": epoch, "repeat": repeat, "attempt": attempt,
+        "messages": messages, "reward": 0.0, "status": "failed", "tools": tools, "timestamp": time.time(),
+        "extra_info": {"error": text[:4000], "error_type": kind}, "duration_s": round(duration_s, 4),
+    }
+    try:
+        return TrajectoryRecord.model_validate(record).model_dump()
+    except ValueError:  # messages the task built may themselves be what is broken
+        return TrajectoryRecord.model_validate({**record, "messages": []}).model_dump()

@@ -1,0 +1,109 @@
+"""The server's runtime: launching runs (validate, enqueue, announce) plus its in-process workers.
+
+`launch` is idempotent: a run whose tasks are all enqueued enqueues nothing again, so a trainer re-sending
+`/start_rollout` after a server restart resumes the run where the stream left off. The in-process workers
+(`serve --workers N`) are the same `WorkerPool` that `rollout-buffer worker` runs elsewhere.
+
+Legacy (slime-style) modules are their own workers: their `run_rollout` always runs in a thread of the
+serving process that received `/start_rollout`, whatever `--workers` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rollout_buffer.runs import RunSpec, StartRolloutError
+from rollout_buffer.runtime.inputs import read_samples
+from rollout_buffer.runtime.legacy import LegacyRunner
+from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.runtime.taskqueue import TaskQueue
+from rollout_buffer.runtime.tokenizers import get_tokenizer
+from rollout_buffer.runtime.worker import WorkerPool, publish_run
+from rollout_buffer.settings import Settings
+from rollout_buffer.store import Store
+from rollout_buffer.tasks import TaskRegistry
+
+log = logging.getLogger(__name__)
+
+
+class RolloutRuntime:
+    """Implements `rollout_buffer.runs.Runtime` for native and legacy task modules."""
+
+    def __init__(self, store: Store, registry: TaskRegistry, settings: Settings, *, worker_loops: int | None = None,
+                 pool_name: str | None = None) -> None:
+        self.store = store
+        self.registry = registry
+        self.settings = settings
+        loops = settings.workers if worker_loops is None else worker_loops
+        self.pool = WorkerPool(store, registry, settings, loops=loops, name=pool_name) if loops > 0 else None
+        self.legacy = LegacyRunner(store)
+        self._lock = asyncio.Lock()
+
+    def start(self) -> None:
+        """Start the in-process workers (they resume every running run they find)."""
+        if self.pool is not None:
+            self.pool.start()
+
+    async def launch(self, spec: RunSpec) -> None:
+        """Start or resume a run; raises StartRolloutError (nothing enqueued) for an unusable one."""
+        self.start()
+        try:
+            if spec.task.kind == "legacy":
+                await self._launch_legacy(spec)
+            else:
+                await self._launch_native(spec)
+        except StartRolloutError:
+            if spec.created:
+                await self.store.set_run_status(spec.run_id, "rejected")
+            raise
+
+    async def _launch_legacy(self, spec: RunSpec) -> None:
+        meta = await self.store.run_meta(spec.run_id)
+        if meta.get("status") not in ("running", "rejected"):
+            return  # finished or failed: re-sending /start_rollout does not roll it out again
+        if not spec.request.remote_buffer_url:
+            raise StartRolloutError("remote_buffer_url", "a legacy task module needs the buffer's URL to write to")
+        if self.legacy.launch(spec):
+            await self.store.set_run_status(spec.run_id, "running")
+            log.info("run %s: legacy task %s started in a thread", spec.run_id, spec.task.task_type)
+
+    async def _launch_native(self, spec: RunSpec) -> None:
+        options = RunOptions.from_request(spec.request, rollout_timeout_s=self.settings.rollout_timeout_s)
+        options.check_launchable("native")
+        queue = TaskQueue(self.store.redis, spec.run_id)
+        async with self._lock:  # one enqueuer per process; the Lua script makes several processes safe too
+            if not await queue.enqueue_done():
+                if options.engine_api == "generate" and options.tokenizer_path:
+                    try:
+                        await get_tokenizer(options.tokenizer_path)
+                    except Exception as exc:
+                        raise StartRolloutError("tokenizer_path", f"cannot load a tokenizer with a chat template "
+                                                                  f"from {options.tokenizer_path!r}: {exc}") from exc
+                samples = await asyncio.to_thread(read_samples, spec.request.input_file)
+                added = await queue.enqueue(samples, num_epoch=spec.request.num_epoch,
+                                            repeats=spec.request.num_repeat_per_sample, excluded=spec.excluded_ids)
+                log.info("run %s: enqueued %d task(s) for %d line(s)", spec.run_id, added, len(samples))
+            meta = await self.store.run_meta(spec.run_id)
+            if meta.get("status") == "rejected":
+                await self.store.set_run_status(spec.run_id, "running")
+        await publish_run(self.store, spec.run_id)
+        if self.pool is not None:
+            self.pool.watch(spec.run_id)
+
+    async def shutdown(self) -> None:
+        log.debug("runtime shutting down")
+        if self.pool is not None:
+            await self.pool.close()
+        await self.legacy.shutdown()
+        log.debug("runtime shut down")
+
+
+def build_runtime(store: Store, registry: TaskRegistry, settings: Settings) -> RolloutRuntime:
+    """The default runtime factory of `rollout_buffer.api.create_app`."""
+    runtime = RolloutRuntime(store, registry, settings)
+    try:
+        runtime.start()
+    except RuntimeError:  # no running event loop yet: workers start on the first launch
+        pass
+    return runtime

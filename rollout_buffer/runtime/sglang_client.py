@@ -1,0 +1,172 @@
+"""Token in / token out against SGLang `/generate`.
+
+Each call renders (or extends, see `prompt_tokens`) the prompt ids, sends them with `return_logprob`,
+and records `{prompt_ids, output_ids, output_logprobs, finish_reason, weight_version}` in `turns`. A
+generation the engine aborts (e.g. for a weight update) is continued with the rest of the token budget,
+its prompt being the original prompt + the partial output, and the pieces are joined into one turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+import aiohttp
+
+from rollout_buffer.chat_format import parse_assistant_text
+from rollout_buffer.runtime.engine_http import (
+    EngineTimeout,
+    RetryPolicy,
+    TransientEngineError,
+    call_with_retries,
+    post_once,
+)
+from rollout_buffer.runtime.history import HistoryGuard
+from rollout_buffer.runtime.options import DEFAULT_MAX_NEW_TOKENS
+from rollout_buffer.runtime.prompt_tokens import PromptTokens
+from rollout_buffer.task_contract import ChatResult
+
+log = logging.getLogger(__name__)
+ROUTING_HEADER = "X-SMG-Routing-Key"
+
+
+def merge_sampling(defaults: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
+    """Task overrides win; OpenAI's `max_tokens` is accepted as SGLang's `max_new_tokens`."""
+    params = {**defaults}
+    for name, value in (override or {}).items():
+        params["max_new_tokens" if name == "max_tokens" else name] = value
+    params.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    return params
+
+
+def parse_generate_answer(answer: dict[str, Any]) -> tuple[list[int], list[float], str, str, Any]:
+    """(output_ids, logprobs, text, finish type, weight_version) of one `/generate` answer, strictly checked."""
+    meta = answer.get("meta_info")
+    if not isinstance(meta, dict):
+        raise TransientEngineError("engine answer has no meta_info")
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list):
+        raise TransientEngineError("engine answer has no meta_info.output_token_logprobs (return_logprob ignored?)")
+    try:
+        logprobs = [float(entry[0]) for entry in entries]
+        logprob_ids = [int(entry[1]) for entry in entries]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise TransientEngineError(f"malformed output_token_logprobs: {exc}") from exc
+    output_ids = answer.get("output_ids", logprob_ids)
+    if not isinstance(output_ids, list) or [int(x) for x in output_ids] != logprob_ids:
+        raise TransientEngineError(f"output_ids ({len(output_ids) if isinstance(output_ids, list) else '?'}) and "
+                                   f"output_token_logprobs ({len(logprob_ids)}) disagree")
+    finish = meta.get("finish_reason")
+    finish_type = finish.get("type") if isinstance(finish, dict) else finish
+    if finish_type is None:
+        finish_type = "length"  # SGLang reports a hit max_new_tokens this way in some versions
+    text = answer.get("text")
+    if not isinstance(text, str):
+        raise TransientEngineError("engine answer has no text")
+    return logprob_ids, logprobs, text, str(finish_type), meta.get("weight_version")
+
+
+class GenerateClient:
+    """One rollout's engine client for `/generate`; implements `task_contract.EngineClient`."""
+
+    def __init__(self, *, session: aiohttp.ClientSession, url: str, tokenizer: Any,
+                 tools: list[dict[str, Any]] | None, sampling_params: dict[str, Any], policy: RetryPolicy,
+                 routing_key: str, max_abort_continuations: int = 8, stats: Counter[str] | None = None) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.default_tools = tools or None
+        self.sampling_params = dict(sampling_params)
+        self.policy = policy
+        self.routing_key = routing_key
+        self.max_abort_continuations = max_abort_continuations
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.turns: list[dict[str, Any]] = []
+        self.guard = HistoryGuard()
+        self._prompt: PromptTokens | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        return self.guard.conversation()
+
+    async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                   sampling_params: dict[str, Any] | None = None) -> ChatResult:
+        tools = tools if tools is not None else self.default_tools
+        new = self.guard.new_messages(messages, tools)
+        if new[-1].get("role") == "assistant":
+            raise ValueError("the last message must not be an assistant message (prefill is not supported)")
+        if self._prompt is None or not self.guard.started:
+            self._prompt = PromptTokens(self.tokenizer, tools)
+            prompt_ids = self._prompt.first(new)
+        else:
+            last = self.turns[-1]
+            assert self.guard.seen is not None
+            prompt_ids = self._prompt.extend(last["prompt_ids"], last["output_ids"], self.guard.seen[:-1], new)
+        turn, text = await self._generate(prompt_ids, merge_sampling(self.sampling_params, sampling_params))
+        message = parse_assistant_text(text, id_prefix=f"call_{len(self.turns)}")
+        self.turns.append(turn)
+        self.guard.record(messages, tools, message)
+        return ChatResult(message=message, finish_reason=turn["finish_reason"], turn=turn)
+
+    async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """One turn: generate, continuing aborted pieces with the remaining budget."""
+        budget = int(params["max_new_tokens"])
+        output_ids: list[int] = []
+        logprobs: list[float] = []
+        texts: list[str] = []
+        versions: list[Any] = []
+        finish = "length"
+        for piece in range(self.max_abort_continuations + 1):
+            remaining = budget - len(output_ids)
+            if remaining <= 0:
+                finish = "length"
+                break
+            body = {"input_ids": [*prompt_ids, *output_ids], "return_logprob": True,
+                    "sampling_params": {**params, "max_new_tokens": remaining}}
+            ids, lps, text, finish, version = await self._call(body, f"{self.routing_key}:{len(self.turns)}:{piece}")
+            output_ids.extend(ids)
+            logprobs.extend(lps)
+            texts.append(text)
+            versions.append(version)
+            if finish != "abort":
+                break
+            self.stats["engine_abort_continuations"] += 1
+        turn = {"prompt_ids": prompt_ids, "output_ids": output_ids, "output_logprobs": logprobs,
+                "finish_reason": finish, "weight_version": next((v for v in versions if v is not None), None)}
+        return turn, "".join(texts)
+
+    async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[list[int], list[float], str, str, Any]:
+        async def attempt(number: int) -> tuple[list[int], list[float], str, str, Any]:
+            rid = f"{rid_base}:{number}"
+            try:
+                answer = await post_once(self.session, f"{self.url}/generate", {**body, "rid": rid},
+                                         headers={ROUTING_HEADER: self.routing_key},
+                                         timeout_s=self.policy.timeout_s)
+            except EngineTimeout:
+                self._abort_later(rid)
+                raise
+            return parse_generate_answer(answer)
+
+        def on_retry(error: BaseException) -> None:
+            self.stats["engine_retries"] += 1
+            log.debug("retrying engine call %s: %s", rid_base, error)
+
+        self.stats["engine_calls"] += 1
+        return await call_with_retries(attempt, self.policy, on_retry=on_retry)
+
+    def _abort_later(self, rid: str) -> None:
+        """Best effort: tell the engine to drop a request we stopped waiting for."""
+
+        async def abort() -> None:
+            try:
+                await post_once(self.session, f"{self.url}/abort_request", {"rid": rid}, headers={},
+                                timeout_s=min(5.0, self.policy.timeout_s))
+            except Exception as exc:  # noqa: BLE001 - the engine may be the thing that is down
+                log.debug("abort_request for %s failed: %s", rid, exc)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,284 @@
+"""The run's task stream: idempotent enqueue, consumer-group reads, lease reclaim, task state.
+
+Tasks get deterministic stream ids `0-<n>`, n counting (epoch, line, repeat) from 1, so enqueueing again
+(a relaunch after a restart, or two API processes racing) adds only ids above the stream's last one:
+nothing twice. Task state moves queued -> running -> done | failed | skipped in Lua scripts that also
+keep the `tasks_<state>` counters, acknowledge the entry and mark the run `finished` when the last task
+ends, so the counters stay exact however often a task is delivered; a rollout costs three round trips
+(start, write the record, finish).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from rollout_buffer import keys
+
+TERMINAL = ("done", "failed", "skipped")
+
+# KEYS: 1 tasks stream 2 stats. ARGV: flat (seq, epoch, instance_id, repeat) quadruples.
+# Adds only sequence numbers above the stream's last entry; returns how many it added.
+_ENQUEUE = """
+local last = 0
+local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #tail > 0 then
+  last = tonumber(string.match(tail[1][1], '-(%d+)$'))
+end
+local added = 0
+for i = 1, #ARGV, 4 do
+  local seq = tonumber(ARGV[i])
+  if seq > last then
+    redis.call('XADD', KEYS[1], '0-' .. seq, 'e', ARGV[i + 1], 'i', ARGV[i + 2], 'r', ARGV[i + 3])
+    last = seq
+    added = added + 1
+  end
+end
+if added > 0 then
+  redis.call('HINCRBY', KEYS[2], 'tasks_queued', added)
+end
+return added
+"""
+
+# Shared by the two task scripts. KEYS 1 taskstate 2 stats 3 meta; ARGV[3] is the time. Moves a task's
+# state, keeps the tasks_<state> counters, marks the run finished when its last task ends.
+_STATE_LUA = """
+local function terminal(state)
+  return state == 'done' or state == 'failed' or state == 'skipped'
+end
+local function set_state(task_id, old, new)
+  if old == new then return end
+  redis.call('HSET', KEYS[1], task_id, new)
+  redis.call('HINCRBY', KEYS[2], 'tasks_' .. old, -1)
+  redis.call('HINCRBY', KEYS[2], 'tasks_' .. new, 1)
+  if terminal(new) then
+    local queued = tonumber(redis.call('HGET', KEYS[2], 'tasks_queued') or '0')
+    local running = tonumber(redis.call('HGET', KEYS[2], 'tasks_running') or '0')
+    if queued <= 0 and running <= 0 and redis.call('HGET', KEYS[3], 'enqueue_done') == '1'
+       and redis.call('HGET', KEYS[3], 'status') == 'running' then
+      redis.call('HSET', KEYS[3], 'status', 'finished', 'finished_at', ARGV[3])
+    end
+  end
+end
+local old = redis.call('HGET', KEYS[1], ARGV[1]) or 'queued'
+"""
+
+# KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream.
+# ARGV: 1 task id 2 instance id 3 now 4 entry id 5 consumer group.
+# A delivered task: already finished -> ack; instance skipped by the trainer -> skipped + ack; otherwise
+# running, one more attempt, and its input line. Returns {previous state, attempts, line or false}.
+_START = _STATE_LUA + """
+if terminal(old) then
+  redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
+  return {old, tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'), false}
+end
+if redis.call('SISMEMBER', KEYS[5], ARGV[2]) == 1 then
+  set_state(ARGV[1], old, 'skipped')
+  redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
+  return {'skipped', tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'), false}
+end
+local attempts = redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
+set_state(ARGV[1], old, 'running')
+return {old, attempts, redis.call('HGET', KEYS[6], ARGV[2])}
+"""
+
+# KEYS: 1 taskstate 2 stats 3 meta 4 tasks stream. ARGV: 1 task id 2 final state 3 now 4 entry id
+# 5 consumer group, then (stat name, amount) pairs. Ends the task (terminal states never change), adds
+# the rollout's counters and acknowledges the entry, atomically. Returns the previous state.
+_FINISH = _STATE_LUA + """
+if not terminal(old) then
+  set_state(ARGV[1], old, ARGV[2])
+end
+for i = 6, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+redis.call('XACK', KEYS[4], ARGV[5], ARGV[4])
+return old
+"""
+
+# KEYS: 1 meta 2 stats. ARGV: 1 total 2 now. Records that enqueueing is complete; finishes an empty run.
+_ENQUEUE_DONE = """
+redis.call('HSET', KEYS[1], 'enqueue_done', '1', 'tasks_total', ARGV[1])
+local queued = tonumber(redis.call('HGET', KEYS[2], 'tasks_queued') or '0')
+local running = tonumber(redis.call('HGET', KEYS[2], 'tasks_running') or '0')
+if queued <= 0 and running <= 0 and redis.call('HGET', KEYS[1], 'status') == 'running' then
+  redis.call('HSET', KEYS[1], 'status', 'finished', 'finished_at', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class TaskStart:
+    """What `TaskQueue.start` found: run the rollout only when `proceed`."""
+
+    previous: str
+    attempt: int
+    sample: dict[str, Any] | None
+    proceed: bool
+
+
+@dataclass(frozen=True)
+class Task:
+    """One rollout to do: repeat `repeat` of line `instance_id` in epoch `epoch`."""
+
+    entry_id: str
+    epoch: int
+    instance_id: str
+    repeat: int
+
+    @property
+    def task_id(self) -> str:
+        return f"{self.epoch}:{self.instance_id}:{self.repeat}"
+
+    def uid(self, run_id: str) -> str:
+        return f"{run_id}:{self.task_id}"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _parse_entries(entries: list[Any]) -> list[Task]:
+    tasks: list[Task] = []
+    for entry_id, fields in entries:
+        if fields is None:  # deleted entry (XAUTOCLAIM on Redis 6.2 reports them as nil)
+            continue
+        data = {_text(k): _text(v) for k, v in fields.items()}
+        tasks.append(Task(_text(entry_id), int(data["e"]), data["i"], int(data["r"])))
+    return tasks
+
+
+def iter_task_plan(instance_ids: list[str], num_epoch: int, repeats: int) -> Iterator[tuple[int, int, str, int]]:
+    """(seq, epoch, instance_id, repeat) for the whole run, in a fixed order; seq counts from 1."""
+    seq = 0
+    for epoch in range(num_epoch):
+        for instance_id in instance_ids:
+            for repeat in range(repeats):
+                seq += 1
+                yield seq, epoch, instance_id, repeat
+
+
+class TaskQueue:
+    """One run's stream and consumer group."""
+
+    def __init__(self, client: aioredis.Redis, run_id: str) -> None:
+        self.redis = client
+        self.run_id = run_id
+        self.stream = keys.tasks(run_id)
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._start = client.register_script(_START)
+        self._finish = client.register_script(_FINISH)
+        self._enqueue_done = client.register_script(_ENQUEUE_DONE)
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, keys.WORKER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def enqueue_done(self) -> bool:
+        return await self.redis.hget(keys.run_meta(self.run_id), "enqueue_done") in (b"1", "1")
+
+    async def enqueue(self, samples: list[dict[str, Any]], *, num_epoch: int, repeats: int,
+                      excluded: set[str], chunk: int = 2000) -> int:
+        """Store the samples and add every task not yet in the stream; returns how many were added."""
+        await self.ensure_group()
+        for start in range(0, len(samples), chunk):
+            part = samples[start:start + chunk]
+            await self.redis.hset(keys.samples(self.run_id),
+                                  mapping={s["instance_id"]: _dumps(s) for s in part})
+        added = 0
+        total = 0
+        batch: list[str] = []
+        ids = [s["instance_id"] for s in samples]
+        for seq, epoch, instance_id, repeat in iter_task_plan(ids, num_epoch, repeats):
+            if instance_id in excluded:
+                continue
+            total += 1
+            batch.extend((str(seq), str(epoch), instance_id, str(repeat)))
+            if len(batch) >= chunk * 4:
+                added += int(await self._enqueue(keys=[self.stream, keys.stats(self.run_id)], args=batch))
+                batch = []
+        if batch:
+            added += int(await self._enqueue(keys=[self.stream, keys.stats(self.run_id)], args=batch))
+        await self._enqueue_done(keys=[keys.run_meta(self.run_id), keys.stats(self.run_id)],
+                                 args=[total, _now()])
+        return added
+
+    async def read_new(self, consumer: str, count: int, block_ms: int) -> list[Task]:
+        reply: Any = await self.redis.xreadgroup(keys.WORKER_GROUP, consumer, {self.stream: ">"},
+                                                 count=count, block=block_ms)
+        tasks: list[Task] = []
+        for _stream, entries in reply or []:
+            tasks.extend(_parse_entries(entries))
+        return tasks
+
+    async def reclaim(self, consumer: str, lease_s: float, count: int) -> list[Task]:
+        """Take over tasks whose owner has not renewed its lease (a dead or stuck worker)."""
+        tasks: list[Task] = []
+        start = "0-0"
+        while len(tasks) < count:
+            reply: Any = await self.redis.xautoclaim(self.stream, keys.WORKER_GROUP, consumer,
+                                                min_idle_time=int(lease_s * 1000), start_id=start,
+                                                count=count - len(tasks))
+            start, entries = _text(reply[0]), reply[1]
+            tasks.extend(_parse_entries(entries))
+            if start == "0-0":
+                break
+        return tasks
+
+    async def renew(self, consumer: str, entry_ids: list[str]) -> None:
+        """Reset the idle time of tasks still in flight here, so a long rollout keeps its lease."""
+        if entry_ids:
+            ids: list[Any] = list(entry_ids)
+            await self.redis.xclaim(self.stream, keys.WORKER_GROUP, consumer, min_idle_time=0, message_ids=ids,
+                                    justid=True)
+
+    async def start(self, task: Task) -> TaskStart:
+        """Claim a delivered task for a rollout (one round trip); see `_START`."""
+        run_id = self.run_id
+        previous, attempts, line = await self._start(
+            keys=[keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
+                  keys.skip(run_id), keys.samples(run_id), self.stream],
+            args=[task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP],
+        )
+        previous = _text(previous)
+        proceed = previous not in TERMINAL
+        sample = _loads(line) if proceed and line else None
+        return TaskStart(previous, int(attempts), sample, proceed)
+
+    async def finish(self, task: Task, state: str, stats: dict[str, int] | None = None) -> str:
+        """End a task in `state`, add its counters, acknowledge it (one round trip); returns the previous state."""
+        run_id = self.run_id
+        args: list[Any] = [task.task_id, state, _now(), task.entry_id, keys.WORKER_GROUP]
+        for name, amount in (stats or {}).items():
+            if amount:
+                args.extend((name, amount))
+        previous = await self._finish(
+            keys=[keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), self.stream], args=args)
+        return _text(previous)
+
+    async def sample(self, instance_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(keys.samples(self.run_id), instance_id)
+        return None if raw is None else _loads(raw)
+
+
+def _dumps(value: Any) -> bytes:
+    return orjson.dumps(value)
+
+
+def _loads(raw: bytes | str) -> Any:
+    return orjson.loads(raw)
+
+
+def _now() -> str:
+    return repr(time.time())

@@ -1,0 +1,33 @@
+"""Tokenizers by path, loaded once per process (loading takes seconds; rollouts need it per call)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+_cache: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def load_tokenizer(path: str) -> Any:
+    """`AutoTokenizer.from_pretrained(path)`, cached; safe to call from several threads."""
+    with _lock:
+        cached = _cache.get(path)
+        if cached is not None:
+            return cached
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tokenizer at {path!r} has no chat template")
+        _cache[path] = tokenizer
+        return tokenizer
+
+
+async def get_tokenizer(path: str) -> Any:
+    """The cached tokenizer, loading it in a thread the first time so the event loop keeps serving."""
+    cached = _cache.get(path)
+    if cached is not None:
+        return cached
+    return await asyncio.to_thread(load_tokenizer, path)

@@ -1,0 +1,272 @@
+"""Rollout workers: asyncio loops that take tasks from every active run's stream and run them.
+
+The same code runs inside `serve` and as `rollout-buffer worker` on any machine. A pool watches the run
+index and the `run_events` stream (a blocking read, no polling loop), and for each running native run it
+keeps up to `num_process` rollouts in flight per loop. Leases: a live worker renews the tasks it holds
+every third of `task_lease_s`; a dead worker's tasks go idle and are reclaimed (XAUTOCLAIM) by another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from redis.exceptions import RedisError
+
+from rollout_buffer import keys
+from rollout_buffer.runtime.engine_http import new_session
+from rollout_buffer.runtime.executor import RunHandle, execute
+from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.runtime.taskqueue import Task, TaskQueue
+from rollout_buffer.runtime.tokenizers import get_tokenizer
+from rollout_buffer.schema import StartRolloutRequest
+from rollout_buffer.settings import Settings
+from rollout_buffer.store import Store
+from rollout_buffer.tasks import TaskRegistry
+
+log = logging.getLogger(__name__)
+MAX_BLOCK_S = 2.0
+REDIS_RETRY_S = 1.0
+RUN_EVENTS_MAXLEN = 1000
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def wait_or_timeout(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for `event` at most `timeout_s`; True if it was set."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
+
+
+async def publish_run(store: Store, run_id: str) -> None:
+    """Tell every worker, on any machine, that a run was launched (or relaunched)."""
+    await store.redis.xadd(keys.RUN_EVENTS, {"run_id": run_id}, maxlen=RUN_EVENTS_MAXLEN, approximate=True)
+
+
+async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, run_id: str) -> RunHandle | None:
+    """The run as this worker can serve it, or None (unknown task here, legacy task, bad config)."""
+    config = await store.run_config(run_id)
+    if config is None:
+        return None
+    request = StartRolloutRequest.model_validate(config)
+    task = registry.get(request.task_type)
+    if task is None:
+        log.error("run %s: task_type %r is not known to this worker (add its --task-dir)", run_id, request.task_type)
+        return None
+    if task.kind != "native":
+        return None
+    options = RunOptions.from_request(request, rollout_timeout_s=settings.rollout_timeout_s)
+    tokenizer = await get_tokenizer(options.tokenizer_path) if options.tokenizer_path else None
+    return RunHandle(run_id=run_id, request=request, options=options, task=task, tokenizer=tokenizer,
+                     queue=TaskQueue(store.redis, run_id))
+
+
+@dataclass
+class RunLoop:
+    """One consumer of one run's stream, with `num_process` rollouts in flight at most."""
+
+    handle: RunHandle
+    store: Store
+    session: aiohttp.ClientSession
+    consumer: str
+    lease_s: float
+    inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    stopping: bool = False
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    _slot_freed: asyncio.Event = field(default_factory=asyncio.Event)
+    _last_renew: float = field(default_factory=time.monotonic)
+    _last_reclaim: float = float("-inf")
+    _reader: asyncio.Task[Any] | None = None
+
+    @property
+    def limit(self) -> int:
+        return self.handle.options.num_process
+
+    @property
+    def renew_every(self) -> float:
+        return self.lease_s / 3
+
+    async def run(self) -> None:
+        """Take and run tasks until the run is over (or `stop`)."""
+        self._reader = asyncio.current_task()
+        await self.handle.queue.ensure_group()
+        while not self.stopping:
+            try:
+                if await self._step():
+                    return
+            except (RedisError, OSError) as exc:
+                log.warning("run %s: %s lost Redis (%s); retrying", self.handle.run_id, self.consumer, exc)
+                await wait_or_timeout(self._stopped, REDIS_RETRY_S)
+
+    async def _step(self) -> bool:
+        """One round: renew leases, then wait for a free slot or take tasks; True when the run is over."""
+        queue = self.handle.queue
+        now = time.monotonic()
+        if now - self._last_renew >= self.renew_every:
+            await queue.renew(self.consumer, list(self.inflight))
+            self._last_renew = now
+        free = self.limit - len(self.inflight)
+        if free <= 0:
+            self._slot_freed.clear()
+            await wait_or_timeout(self._slot_freed, max(0.01, self.renew_every - (now - self._last_renew)))
+            return False
+        tasks = []
+        if now - self._last_reclaim >= self.lease_s / 2:
+            self._last_reclaim = now
+            tasks = [t for t in await queue.reclaim(self.consumer, self.lease_s, free) if t.entry_id not in self.inflight]
+            if tasks:
+                log.info("run %s: %s reclaimed %d task(s) from expired leases", self.handle.run_id, self.consumer,
+                         len(tasks))
+        if not tasks:
+            block_s = max(0.01, min(MAX_BLOCK_S, self.renew_every))
+            tasks = await queue.read_new(self.consumer, free, int(block_s * 1000))
+        for task in tasks:
+            self.inflight[task.entry_id] = asyncio.create_task(self._execute(task))
+        return not tasks and not self.inflight and await self._run_over()
+
+    async def _execute(self, task: Task) -> None:
+        try:
+            await execute(self.handle, task, store=self.store, session=self.session, worker=self.consumer)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # Redis trouble: leave the task unacknowledged; its lease expires and it is redone
+            log.exception("run %s: task %s could not be recorded", self.handle.run_id, task.task_id)
+        finally:
+            self.inflight.pop(task.entry_id, None)
+            self._slot_freed.set()
+
+    async def _run_over(self) -> bool:
+        status = _text(await self.store.redis.hget(keys.run_meta(self.handle.run_id), "status"))
+        return status != "running"
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking tasks; give in-flight rollouts `grace_s`, then cancel and release them at once."""
+        self.stopping = True
+        self._stopped.set()
+        if self._reader is not None and self._reader is not asyncio.current_task() and not self._reader.done():
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        jobs = list(self.inflight.values())
+        if jobs and grace_s > 0:
+            await asyncio.wait(jobs, timeout=grace_s)
+        left: list[Any] = list(self.inflight)
+        for job in list(self.inflight.values()):
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        if left:
+            with contextlib.suppress(RedisError, OSError):
+                # Mark them long idle, so the next XAUTOCLAIM by any worker takes them without waiting.
+                await self.store.redis.xclaim(self.handle.queue.stream, keys.WORKER_GROUP, self.consumer,
+                                              min_idle_time=0, message_ids=left, justid=True,
+                                              idle=int(self.lease_s * 1000) * 10)
+
+
+class WorkerPool:
+    """All rollout work of one process: discovers runs and runs `loops` consumers per run."""
+
+    def __init__(self, store: Store, registry: TaskRegistry, settings: Settings, *, loops: int = 1,
+                 name: str | None = None, shutdown_grace_s: float = 5.0) -> None:
+        self.store = store
+        self.registry = registry
+        self.settings = settings
+        self.loops = max(1, loops)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.shutdown_grace_s = shutdown_grace_s
+        self.session: aiohttp.ClientSession | None = None
+        self._runs: dict[str, list[RunLoop]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._discovery: asyncio.Task[None] | None = None
+        self._closed = False
+        self._stop = asyncio.Event()
+
+    def start(self) -> None:
+        """Begin discovering runs (call on the running event loop)."""
+        if self._discovery is None:
+            self.session = new_session()
+            self._discovery = asyncio.create_task(self._discover(), name=f"rollout-discovery-{self.name}")
+
+    @property
+    def active_runs(self) -> list[str]:
+        return sorted(self._tasks)
+
+    def watch(self, run_id: str) -> None:
+        """Serve `run_id` if it is running and not served yet (idempotent)."""
+        if self._closed or run_id in self._tasks:
+            return
+        self._tasks[run_id] = asyncio.create_task(self._serve(run_id), name=f"rollout-run-{run_id}")
+
+    async def _serve(self, run_id: str) -> None:
+        try:
+            if (await self.store.run_meta(run_id)).get("status") != "running":
+                return
+            handle = await load_handle(self.store, self.registry, self.settings, run_id)
+            if handle is None:
+                return
+            assert self.session is not None
+            loops = [RunLoop(handle, self.store, self.session, f"{self.name}:{i}", self.settings.task_lease_s)
+                     for i in range(self.loops)]
+            self._runs[run_id] = loops
+            log.info("worker %s serving run %s (%d loop(s) x %d in flight)", self.name, run_id, len(loops),
+                     handle.options.num_process)
+            await asyncio.gather(*(loop.run() for loop in loops))
+            log.info("worker %s: run %s is over", self.name, run_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("worker %s stopped serving run %s", self.name, run_id)
+        finally:
+            self._runs.pop(run_id, None)
+            self._tasks.pop(run_id, None)
+
+    async def _discover(self) -> None:
+        """Serve every running run now, then each one announced on the run_events stream."""
+        while not self._closed:
+            try:
+                tail = await self.store.redis.xrevrange(keys.RUN_EVENTS, count=1)
+                last_id = _text(tail[0][0]) if tail else "0-0"
+                for run_id in await self.store.list_runs():
+                    self.watch(run_id)
+                while not self._closed:
+                    reply: Any = await self.store.redis.xread({keys.RUN_EVENTS: last_id}, count=100,
+                                                         block=int(MAX_BLOCK_S * 1000))
+                    for _stream, entries in reply or []:
+                        for entry_id, fields in entries:
+                            last_id = _text(entry_id)
+                            self.watch(_text(fields.get(b"run_id", fields.get("run_id"))))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                log.warning("worker %s: run discovery lost Redis (%s); retrying", self.name, exc)
+                await wait_or_timeout(self._stop, REDIS_RETRY_S)
+
+    async def close(self) -> None:
+        """Stop discovering, stop every run loop (with a grace period), close the HTTP session."""
+        self._closed = True
+        self._stop.set()
+        if self._discovery is not None:
+            self._discovery.cancel()
+            await asyncio.gather(self._discovery, return_exceptions=True)
+        await asyncio.gather(*(loop.stop(self.shutdown_grace_s) for loops in list(self._runs.values())
+                               for loop in loops), return_exceptions=True)
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+            self.session = None

@@ -1,0 +1,64 @@
+"""`rollout-buffer worker`: rollout workers in their own process, on any machine that reaches the Redis.
+
+It joins the same consumer group as every other worker and serves every running run; SIGINT/SIGTERM stop
+it cleanly (in-flight rollouts get a short grace period, the rest are released for others to take).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from rollout_buffer.embedded_redis import SOCKET_NAME
+from rollout_buffer.runtime.worker import WorkerPool
+from rollout_buffer.settings import Settings
+from rollout_buffer.store import Store
+from rollout_buffer.tasks import discover
+
+log = logging.getLogger(__name__)
+
+
+def redis_url_of(settings: Settings) -> str | None:
+    """`--redis-url`, else the embedded Redis socket of a server on this machine using the same `--data-dir`."""
+    if settings.redis_url:
+        return settings.redis_url
+    socket_path = settings.data_dir / SOCKET_NAME
+    return f"unix://{socket_path.resolve()}" if socket_path.exists() else None
+
+
+async def serve_worker(settings: Settings, stop: asyncio.Event) -> None:
+    """Run a worker pool until `stop` is set."""
+    url = redis_url_of(settings)
+    if url is None:
+        raise SystemExit("rollout-buffer worker: give --redis-url (or --data-dir of a running server)")
+    registry = discover(settings.task_dir)
+    for path, error in registry.errors.items():
+        log.error("task module problem: %s: %s", path, error)
+    store = Store.from_url(url)
+    pool = WorkerPool(store, registry, settings, loops=settings.workers or 1)
+    try:
+        await store.redis.ping()
+        pool.start()
+        log.info("worker %s ready on %s with tasks %s", pool.name, url, sorted(registry.tasks))
+        await stop.wait()
+        log.info("worker %s stopping", pool.name)
+    finally:
+        await pool.close()
+        await store.close()
+
+
+def run_worker(settings: Settings) -> int:
+    """Entry point of `rollout-buffer worker`; returns the process exit code."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        await serve_worker(settings, stop)
+
+    asyncio.run(main())
+    return 0
