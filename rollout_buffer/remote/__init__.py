@@ -1,0 +1,25 @@
+"""Remote rollouts for trainer-hosted engines: the trainer posts `/init`, the buffer drives the task module
+against the trainer's own `/v1/chat/completions` (with a `response_mask` per call) and reports completion
+with exactly one `POST /v1/rollout/completed`. `token_fix` holds the on-policy token alignment for
+chat-completion trajectories.
+
+The service and its router are imported lazily, so `remote.token_fix` stays a light import of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["RemoteService", "router"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RemoteService":
+        from rollout_buffer.remote.service import RemoteService
+
+        return RemoteService
+    if name == "router":
+        from rollout_buffer.remote.routes import router
+
+        return router
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
