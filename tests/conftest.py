@@ -25,3 +25,116 @@ def qwen3_tokenizer() -> Any:
 def r1_tokenizer() -> Any:
     """The DeepSeek-R1-Distill-Qwen tokenizer (Qwen vocabulary, R1 markers)."""
     return load_qwen_tokenizer("r1_distill")
+
+
+class SlimeLikeDataBuffer:
+    """The surface of slime's `RolloutDataSourceWithBuffer` the agent rollout uses: a FIFO of groups
+    (`add_samples` / `get_samples` / `get_buffer_length`) and the resume metadata dict."""
+
+    def __init__(self, metadata: dict[str, Any] | None = None) -> None:
+        self.buffer: list[list[Any]] = []
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.add_calls = 0
+
+    def get_metadata(self) -> dict[str, Any]:
+        return self.metadata
+
+    def update_metadata(self, metadata: dict[str, Any]) -> None:
+        self.metadata.update(metadata)
+
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        assert isinstance(samples, list) and all(isinstance(group, list) and group for group in samples)
+        self.add_calls += 1
+        self.buffer.extend(samples)
+
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        taken = self.buffer[:num_samples]
+        del self.buffer[:num_samples]
+        return taken
+
+    def get_buffer_length(self) -> int:
+        return len(self.buffer)
+
+
+@pytest.fixture()
+def slime_data_buffer() -> type[SlimeLikeDataBuffer]:
+    """The slime-like data buffer class (instantiate with the metadata to resume from)."""
+    return SlimeLikeDataBuffer
+
+
+@pytest.fixture()
+def tiny_server() -> Any:
+    """Start small aiohttp apps on loopback, each on its own loop in a thread: `start(app) -> url`.
+
+    For answers a real buffer never gives (malformed bodies, hangs, 5xx, ignoring `num`)."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    started: list[tuple[asyncio.AbstractEventLoop, web.AppRunner, threading.Thread]] = []
+
+    def start(app: web.Application) -> str:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+
+        async def setup() -> tuple[web.AppRunner, int]:
+            runner = web.AppRunner(app, shutdown_timeout=0.5)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+        runner, port = asyncio.run_coroutine_threadsafe(setup(), loop).result(timeout=10)
+        started.append((loop, runner, thread))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for loop, runner, thread in started:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_path() -> str:
+    """Directory of the Qwen2.5 tokenizer, as a `/start_rollout` `tokenizer_path`."""
+    from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+
+    return str(qwen_tokenizer_dir("qwen2.5"))
+
+
+@pytest.fixture(scope="module")
+def rollout_engine() -> Any:
+    """An SGLang-protocol test engine on loopback (in a thread), latency 0; tests reconfigure it."""
+    from rollout_buffer.testing.engine import run_engine_in_thread
+
+    with run_engine_in_thread(template="qwen2.5", seed=7) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def runtime_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One `rollout-buffer serve` process (in-process workers) shared by the runtime tests, with the test
+    task folders; tests use their own run ids, so they do not see each other's data."""
+    from tests.helpers import ServerProcess
+    from tests.runtime_helpers import LEGACY_TASKS, RUNTIME_TASKS
+
+    with ServerProcess(tmp_path_factory.mktemp("runtime-data"), "--task-dir", LEGACY_TASKS, "--task-dir",
+                       RUNTIME_TASKS, "--rollout-timeout-s", "60") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def external_buffer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One `rollout-buffer serve` process with the test task modules (records come from the tests),
+    shared by the agent-rollout test modules; every test there uses its own run id."""
+    from pathlib import Path
+
+    from tests.helpers import ServerProcess
+
+    with ServerProcess(tmp_path_factory.mktemp("agent-buffer"), "--task-dir",
+                       str(Path(__file__).parent / "tasks")) as proc:
+        yield proc

@@ -1,0 +1,272 @@
+"""slime's rollout function for the agent rollout buffer:
+`--rollout-function-path slime_adapter.agent_rollout.generate_rollout`.
+
+Each trainer step pulls whole groups from the buffer until the step has `rollout_batch_size` groups
+(`rollout_batch_size * n_samples_per_prompt` samples), builds `Sample`s group by group (the engine's own
+tokens when records carry `turns`), hands them to slime's data buffer and returns
+`data_buffer.get_samples(rollout_batch_size)`. The first call starts the buffer's run, skipping every
+instance id in the data buffer's metadata, which is what makes a resume from a checkpoint skip exactly
+what was trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+
+from slime_adapter.buffer_client import (
+    BufferUnavailableError,
+    StartRolloutRejected,
+    build_start_payload,
+    get_rollout_data,
+    skip_ids_from_metadata,
+    start_rollout,
+)
+from slime_adapter.build import BuildStats, build_group_samples
+from slime_adapter.metrics import log_raw_info
+from slime_adapter.settings import AgentRolloutSettings
+from slime_adapter.tokenizers import get_tokenizer
+
+__all__ = [
+    "AgentRolloutState",
+    "BufferUnavailableError",
+    "RolloutDataUnavailable",
+    "SampleBuildError",
+    "StartRolloutRejected",
+    "build_start_payload",
+    "generate_agent_rollout",
+    "generate_rollout",
+    "get_rollout_data",
+    "get_state",
+    "log_raw_info",
+    "reset_state",
+    "skip_ids_from_metadata",
+    "split_groups",
+    "start_rollout",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RolloutDataUnavailable(RuntimeError):
+    """More consecutive empty or failed fetches than `fetch_trajectory_retry_times` allows."""
+
+
+class SampleBuildError(RuntimeError):
+    """A handed-over group could not be turned into exact samples; `records` keeps it for inspection."""
+
+    def __init__(self, message: str, records: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.records = records
+
+
+@dataclass
+class AgentRolloutState:
+    """What survives between trainer steps in this process: whether the run was started, and its id."""
+
+    started: bool = False
+    run_id: str | None = None
+    start_answer: dict[str, Any] | None = None
+    next_group_index: int = 0
+
+
+_STATE = AgentRolloutState()
+
+
+def get_state() -> AgentRolloutState:
+    """The process-wide adapter state (one trainer process drives one run)."""
+    return _STATE
+
+
+def reset_state() -> AgentRolloutState:
+    """Forget the started run, as a fresh trainer process would (the next step calls /start_rollout again)."""
+    global _STATE
+    _STATE = AgentRolloutState()
+    return _STATE
+
+
+class _LoopThread:
+    """One event loop in a daemon thread, reused by every step: the trainer calls `generate_rollout`
+    synchronously, possibly from a thread that already runs a loop, where `asyncio.run` would fail."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def _ensure(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="agent-rollout-loop", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._ensure()).result()
+
+
+_LOOP = _LoopThread()
+
+
+def split_groups(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Records of one read, grouped by (instance_id, epoch), in the order the buffer handed them over."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault((str(record["instance_id"]), record.get("epoch")), []).append(record)
+    return list(groups.values())
+
+
+def _buffered_groups(data_buffer: Any) -> int:
+    """Groups already waiting in slime's buffer (surplus of an earlier step); 0 if it cannot say."""
+    length = getattr(data_buffer, "get_buffer_length", None)
+    return int(length()) if callable(length) else 0
+
+
+@dataclass
+class _Step:
+    """One trainer step's fetch: reads' meta_info, finished ids, build counts."""
+
+    settings: AgentRolloutSettings
+    state: AgentRolloutState
+    data_buffer: Any
+    rollout_id: int
+    metas: list[dict[str, Any]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    stats: BuildStats = field(default_factory=BuildStats)
+    groups_added: int = 0
+    size_mismatches: int = 0
+
+    def __post_init__(self) -> None:
+        earlier = (self.data_buffer.get_metadata() or {}).get(self._key)
+        if isinstance(earlier, list):  # this step was interrupted and is being retried: keep what it consumed
+            self.finished = list(earlier)
+
+    @property
+    def _key(self) -> str:
+        return str(self.rollout_id)
+
+    def _tokenizer(self) -> Any:
+        if not self.settings.hf_checkpoint:
+            raise ValueError("a record without `turns` needs a tokenizer to re-render its messages; "
+                             "set args.hf_checkpoint")
+        return get_tokenizer(self.settings.hf_checkpoint, trust_remote_code=True)
+
+    def _build(self, records: list[dict[str, Any]]) -> list[Any]:
+        group_index = self.state.next_group_index
+        samples, stats = build_group_samples(records, self._tokenizer, self.settings.loss_mask_type,
+                                             group_index=group_index)
+        has_raw = {r["uid"]: r.get("raw_reward") is not None for r in records}
+        for sample in samples:
+            if self.settings.reward_field(has_raw[sample.metadata["uid"]]) == "raw_reward":
+                sample.reward = sample.metadata["raw_reward"]
+        self.state.next_group_index += 1
+        self.stats.merge(stats)
+        if len(samples) != self.settings.n_samples_per_prompt:
+            self.size_mismatches += 1
+            log.warning("group of instance %s has %d sample(s), n_samples_per_prompt is %d (forks: %d); "
+                        "slime's group reward normalisation and RolloutDataSourceWithBuffer.add_samples "
+                        "assume groups of exactly n_samples_per_prompt",
+                        records[0]["instance_id"], len(samples), self.settings.n_samples_per_prompt, stats.forks)
+        return samples
+
+    def accept(self, records: list[dict[str, Any]], meta: dict[str, Any]) -> int:
+        """Build and store one read's groups; returns how many groups went into the data buffer.
+
+        Everything the read consumed is recorded in the metadata before any error propagates, and every
+        group built before a failing one is already in the data buffer.
+        """
+        if meta:
+            self.metas.append(meta)
+        self.finished.extend(str(i) for i in meta.get("finished_groups") or [])
+        built: list[list[Any]] = []
+        try:
+            for group in split_groups(records):
+                try:
+                    built.append(self._build(group))
+                except Exception as exc:
+                    raise SampleBuildError(f"cannot build samples for the group of instance "
+                                           f"{group[0]['instance_id']}: {type(exc).__name__}: {exc}", group) from exc
+        finally:
+            self.data_buffer.update_metadata({self._key: list(self.finished)})
+            if built:
+                self.data_buffer.add_samples(built)
+                self.groups_added += len(built)
+        return len(built)
+
+
+def _backoff_s(settings: AgentRolloutSettings, failures: int) -> float:
+    return min(settings.fetch_backoff_max_s, settings.fetch_backoff_s * 2 ** max(0, failures - 1))
+
+
+async def _ensure_started(settings: AgentRolloutSettings, state: AgentRolloutState, args: Any,
+                          data_buffer: Any) -> None:
+    if state.started:
+        return
+    metadata = data_buffer.get_metadata() or {}
+    answer = await asyncio.to_thread(start_rollout, settings.buffer_url, args, metadata)
+    state.started, state.run_id, state.start_answer = True, answer.get("run_id"), answer
+
+
+async def _collect(step: _Step, need_groups: int) -> None:
+    """Fetch until `need_groups` groups were added; empty answers and network errors back off and count
+    towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count)."""
+    settings, failures = step.settings, 0
+    while step.groups_added < need_groups:
+        remaining = need_groups - step.groups_added
+        began = time.monotonic()
+        error: BaseException | None = None
+        try:
+            records, meta = await get_rollout_data(settings.buffer_url, num=remaining * settings.n_samples_per_prompt,
+                                                   timeout=settings.fetch_timeout_s, run_id=step.state.run_id)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            error, records, meta = exc, [], {}
+        if records or meta.get("finished_groups"):
+            failures = 0
+            step.accept(records, meta)
+            continue
+        failures += 1
+        reason = f"{type(error).__name__}: {error}" if error else "no group ready"
+        if 0 <= settings.fetch_retry_times < failures:
+            raise RolloutDataUnavailable(
+                f"rollout {step.rollout_id}: {failures} consecutive fetch(es) from {settings.buffer_url} got no "
+                f"data (last: {reason}); {step.groups_added}/{need_groups} group(s) in hand, kept in the data "
+                "buffer") from error
+        delay = _backoff_s(settings, failures) - (time.monotonic() - began)
+        log.info("rollout %d: %s; %d/%d group(s) in hand, retrying", step.rollout_id, reason,
+                 step.groups_added, need_groups)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False) -> Any:
+    """One trainer step (see the module docstring); returns `data_buffer.get_samples(rollout_batch_size)`.
+
+    Groups beyond what the step needs stay in `data_buffer` for the next step. Filtered groups (in
+    `meta_info.finished_groups` but not in the data) are still recorded as finished for resume.
+    """
+    if evaluation:
+        raise NotImplementedError("the agent rollout buffer serves training rollouts only; evaluate "
+                                  "checkpoints with slime's --eval-function-path instead")
+    settings = AgentRolloutSettings.from_args(args)
+    state = _STATE
+    await _ensure_started(settings, state, args, data_buffer)
+    need = settings.rollout_batch_size - _buffered_groups(data_buffer)
+    if need > 0:
+        step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id)
+        await _collect(step, need)
+        log_raw_info(args, step.metas, rollout_id, step.stats,
+                     extra={"rollout/group_size_mismatch": step.size_mismatches})
+    return data_buffer.get_samples(settings.rollout_batch_size)
+
+
+def generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False) -> Any:
+    """slime's synchronous entry point: runs `generate_agent_rollout` on the adapter's own event loop."""
+    return _LOOP.run(generate_agent_rollout(args, rollout_id, data_buffer, evaluation))

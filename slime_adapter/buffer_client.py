@@ -1,0 +1,218 @@
+"""The trainer's two calls to the buffer: `/start_rollout` (sync, retried) and `/get_rollout_data` (async long poll).
+
+Errors are sorted so the caller can act on them: a refused start (4xx) is a configuration problem and is
+never retried; an unreachable buffer is retried with exponential backoff and then reported; a malformed
+answer is a `ValueError` naming what is missing, a network failure an `aiohttp.ClientError`, a poll that
+outlives its timeout an `asyncio.TimeoutError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import httpx
+import tenacity
+
+from slime_adapter.settings import AgentRolloutSettings
+
+__all__ = [
+    "REQUIRED_RECORD_KEYS",
+    "BufferUnavailableError",
+    "StartRolloutRejected",
+    "build_start_payload",
+    "get_rollout_data",
+    "long_poll_wait_s",
+    "skip_ids_from_metadata",
+    "start_rollout",
+]
+
+log = logging.getLogger(__name__)
+
+REQUIRED_RECORD_KEYS: frozenset[str] = frozenset({"uid", "instance_id", "messages", "reward", "extra_info"})
+
+
+class BufferUnavailableError(RuntimeError):
+    """The buffer could not be reached (or kept failing with 5xx) through every retry."""
+
+
+class StartRolloutRejected(RuntimeError):
+    """The buffer refused the run (4xx): a setting is wrong; retrying would not help."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"/start_rollout refused with HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.server_message = message
+
+
+class _Transient(Exception):
+    """A failure worth another try (connection refused, timeout, 5xx)."""
+
+
+def skip_ids_from_metadata(metadata: Mapping[str, Any] | None) -> list[str]:
+    """Union of every finished-id list in slime's data-buffer metadata (`str(rollout_id)` -> ids).
+
+    Order is first appearance; values that are not lists (newer slime keeps other state in the same
+    dict) are not instance-id lists and are left out.
+    """
+    seen: dict[str, None] = {}
+    for value in (metadata or {}).values():
+        if isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                seen.setdefault(str(item), None)
+    return list(seen)
+
+
+def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """slime's `/start_rollout` body. Numbers go as text, as slime sends them; the buffer coerces."""
+    if not settings.prompt_data:
+        raise ValueError("args.prompt_data (the run's input_file) is required to start a rollout run")
+    sampling: dict[str, Any] = {"temperature": settings.temperature, "top_p": settings.top_p}
+    payload: dict[str, Any] = {
+        "num_process": str(settings.num_process),
+        "num_epoch": str(settings.num_epoch),
+        "remote_engine_url": settings.remote_engine_url,
+        "remote_buffer_url": settings.buffer_url,
+        "task_type": settings.task_type,
+        "input_file": settings.prompt_data,
+        "num_repeat_per_sample": str(settings.n_samples_per_prompt),
+        "sampling_params": sampling,
+        "tokenizer_path": settings.hf_checkpoint,
+        "skip_instance_ids": skip_ids_from_metadata(metadata),
+    }
+    if settings.max_response_len is not None:
+        payload["max_tokens"] = str(settings.max_response_len)
+        sampling["max_tokens"] = settings.max_response_len
+    if settings.run_id:
+        payload["run_id"] = settings.run_id
+    return payload
+
+
+def _server_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000]
+    if isinstance(body, dict) and "message" in body:
+        return str(body["message"])
+    return response.text[:2000]
+
+
+def _post_start(client: httpx.Client, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+    try:
+        response = client.post(url, json=payload)
+    except httpx.TransportError as exc:
+        raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+    if response.status_code >= 500:
+        raise _Transient(f"HTTP {response.status_code}: {_server_message(response)}")
+    if response.status_code >= 400:
+        raise StartRolloutRejected(response.status_code, _server_message(response))
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise ValueError(f"/start_rollout answered non-JSON: {response.text[:200]!r}") from exc
+    if not isinstance(body, dict):
+        raise ValueError(f"/start_rollout answered a {type(body).__name__}, expected an object")
+    return body
+
+
+def start_rollout(api_base_url: str, args: Any, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Start (or resume) the buffer's run for these `args`; returns the buffer's answer
+    (`message`, `run_id`, `created`, `skipped_instance_ids`).
+
+    Skip ids are the union of `metadata`'s lists. Connection failures and 5xx are retried
+    `agent_start_rollout_attempts` times with exponential backoff, then `BufferUnavailableError`;
+    a 4xx raises `StartRolloutRejected` at once with the buffer's message.
+    """
+    settings = AgentRolloutSettings.from_args(args)
+    payload = build_start_payload(settings, metadata)
+    url = f"{api_base_url.rstrip('/')}/start_rollout"
+    log.info("starting rollout run at %s: task %s, %d skip id(s)", url, settings.task_type,
+             len(payload["skip_instance_ids"]))
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(settings.start_attempts),
+        wait=tenacity.wait_exponential(multiplier=settings.start_backoff_s, max=30.0),
+        retry=tenacity.retry_if_exception_type(_Transient),
+        before_sleep=lambda state: log.warning("start_rollout attempt %d failed: %s", state.attempt_number,
+                                               state.outcome.exception() if state.outcome else "?"),
+        reraise=True,
+    )
+    with httpx.Client(timeout=settings.start_timeout_s) as client:
+        try:
+            answer = retrying(_post_start, client, url, payload)
+        except _Transient as exc:
+            raise BufferUnavailableError(
+                f"could not start a rollout run at {url} after {settings.start_attempts} attempt(s); "
+                f"last error: {exc}. Is the buffer running (scripts/run_buffer.sh)?") from exc
+    log.info("start_rollout: %s", answer.get("message", answer))
+    return answer
+
+
+def long_poll_wait_s(timeout: float) -> float:
+    """The `wait_s` sent with a poll: below the client timeout by a margin (a fifth of it, at least 1 s,
+    at most 5 s, never more than half), so the server answers "nothing ready" before the client gives
+    up on the connection; the server's blocking wait can overshoot `wait_s` by ~0.1 s."""
+    margin = min(5.0, max(1.0, timeout * 0.2), timeout / 2)
+    return max(0.0, timeout - margin)
+
+
+def _parse_answer(text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"/get_rollout_data answered non-JSON: {text[:200]!r}") from exc
+    if not isinstance(body, dict):
+        raise ValueError(f"/get_rollout_data answered a {type(body).__name__}, expected an object")
+    missing = sorted({"success", "data"} - set(body))
+    if missing:
+        raise ValueError(f"/get_rollout_data answer is missing key(s) {missing}")
+    data = body["data"]
+    if not isinstance(data, dict):
+        raise ValueError(f"/get_rollout_data 'data' is a {type(data).__name__}, expected an object "
+                         "with 'data' and 'meta_info'")
+    missing = sorted({"data", "meta_info"} - set(data))
+    if missing:
+        raise ValueError(f"/get_rollout_data 'data' is missing key(s) {missing}")
+    records, meta = data["data"], data["meta_info"]
+    if not isinstance(records, list) or not isinstance(meta, dict):
+        raise ValueError("/get_rollout_data 'data.data' must be a list and 'data.meta_info' an object")
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"/get_rollout_data record {i} is a {type(record).__name__}, expected an object")
+        missing = sorted(REQUIRED_RECORD_KEYS - set(record))
+        if missing:
+            raise ValueError(f"/get_rollout_data record {i} (uid {record.get('uid')!r}) is missing key(s) {missing}")
+    if not body["success"]:
+        return [], meta
+    return records, meta
+
+
+async def get_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
+                           run_id: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One long poll of `/get_rollout_data`: `(records, meta_info)`, `([], meta_info)` when nothing is ready.
+
+    `num` caps the records (whole groups only); `run_id` pins the run (default: the buffer's active run).
+    Raises `aiohttp.ClientError` (network, HTTP error status), `ValueError` (malformed answer),
+    `asyncio.TimeoutError` (no answer within `timeout` seconds).
+    """
+    url = f"{api_base_url.rstrip('/')}/get_rollout_data"
+    payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout)}
+    if num is not None:
+        payload["num"] = int(num)
+    if run_id is not None:
+        payload["run_id"] = run_id
+    try:
+        async with (asyncio.timeout(timeout), aiohttp.ClientSession() as session,
+                    session.post(url, json=payload) as response):
+            text = await response.text()
+            if response.status >= 400:
+                raise aiohttp.ClientResponseError(
+                    response.request_info, response.history, status=response.status,
+                    message=f"{response.reason}: {text[:500]}", headers=response.headers)
+    except TimeoutError as exc:  # also aiohttp's own timeout errors, which are ClientErrors too
+        raise asyncio.TimeoutError(f"/get_rollout_data at {url} gave no answer within {timeout} s") from exc
+    return _parse_answer(text)

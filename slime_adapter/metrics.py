@@ -1,0 +1,132 @@
+"""`rollout/` metrics of one trainer step: the buffer's "no filter" view plus token statistics of the samples.
+
+`meta_info` counts (samples, groups, rewards, statuses) are over everything written since the previous
+read, so a step's totals are the sums over its reads; `drops` are run totals, so the last read's value is
+the current one. Token statistics come from the samples the trainer actually receives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from slime_adapter.build import BuildStats
+from slime_adapter.settings import AgentRolloutSettings
+
+__all__ = ["aggregate_meta_info", "log_raw_info", "rollout_metrics", "rollout_step"]
+
+log = logging.getLogger(__name__)
+
+
+def aggregate_meta_info(all_meta_info: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Sum the per-read `meta_info`s of one step into one no-filter view."""
+    metas = [m for m in all_meta_info if m]
+    total = sum(int(m.get("total_samples", 0)) for m in metas)
+    groups = sum(int(m.get("num_groups", 0)) for m in metas)
+    reward_sum = sum(float(m.get("avg_reward", 0.0)) * int(m.get("total_samples", 0)) for m in metas)
+    statuses: dict[str, int] = {}
+    for m in metas:
+        for status, count in (m.get("status_counts") or {}).items():
+            statuses[status] = statuses.get(status, 0) + int(count)
+    return {
+        "total_samples": total,
+        "num_groups": groups,
+        "avg_group_size": total / groups if groups else 0.0,
+        "avg_reward": reward_sum / total if total else 0.0,
+        "status_counts": statuses,
+        "finished_groups": sum(len(m.get("finished_groups") or []) for m in metas),
+        "filtered_groups": sum(len(m.get("filtered_groups") or []) for m in metas),
+        "timed_out_groups": sum(_count(m.get("timed_out_groups")) for m in metas),
+        "returned_samples": sum(int(m.get("returned_samples", 0)) for m in metas),
+        "drops": dict(metas[-1].get("drops") or {}) if metas else {},
+        "reads": len(metas),
+    }
+
+
+def _count(value: Any) -> int:
+    """`timed_out_groups` is a list of ids in this buffer; a count in others."""
+    if isinstance(value, (list, tuple, set)):
+        return len(value)
+    return int(value or 0)
+
+
+def rollout_step(settings: AgentRolloutSettings, rollout_id: int) -> int:
+    """slime's x-axis: the rollout id, or the train step when `wandb_always_use_train_step` is set."""
+    if settings.wandb_always_use_train_step and settings.global_batch_size:
+        return rollout_id * settings.samples_per_step // settings.global_batch_size
+    return rollout_id
+
+
+def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats | None = None) -> dict[str, Any]:
+    """The `rollout/...` dict of one step (without the step key)."""
+    agg = aggregate_meta_info(all_meta_info)
+    out: dict[str, Any] = {
+        "rollout/no_filter/total_samples": agg["total_samples"],
+        "rollout/no_filter/avg_reward": agg["avg_reward"],
+        "rollout/no_filter/num_groups": agg["num_groups"],
+        "rollout/no_filter/avg_group_size": agg["avg_group_size"],
+        "rollout/finished_groups": agg["finished_groups"],
+        "rollout/filtered_groups": agg["filtered_groups"],
+        "rollout/failed_samples": agg["status_counts"].get("failed", 0),
+        "rollout/timed_out_groups": agg["timed_out_groups"],
+        "rollout/returned_samples": agg["returned_samples"],
+    }
+    for status, count in sorted(agg["status_counts"].items()):
+        out[f"rollout/status/{status}"] = count
+    for reason, count in sorted(agg["drops"].items()):
+        out[f"rollout/drops/{reason}"] = count
+    if stats is not None:
+        lengths = [p["response_tokens"] for p in stats.pieces]
+        generated = [p["generated_tokens"] for p in stats.pieces]
+        out.update({
+            "rollout/samples": stats.samples,
+            "rollout/forks": stats.forks,
+            "rollout/token_path_records": stats.token_path_records,
+            "rollout/retokenized_records": stats.retokenized_records,
+        })
+        if lengths:
+            out.update({
+                "rollout/response_len/mean": sum(lengths) / len(lengths),
+                "rollout/response_len/max": max(lengths),
+                "rollout/response_len/min": min(lengths),
+                "rollout/generated_tokens/mean": sum(generated) / len(generated),
+            })
+    return out
+
+
+def _wandb_run(settings: AgentRolloutSettings) -> Any:
+    """slime's wandb run when it made one; otherwise a new one, offline unless an API key is configured."""
+    import wandb
+
+    if wandb.run is not None:
+        return wandb.run
+    if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+        os.environ["WANDB_MODE"] = "offline"  # no key: write locally (`wandb sync` later) instead of failing
+    run = wandb.init(project=settings.wandb_project, group=settings.wandb_group, job_type="rollout",
+                     dir=os.environ.get("WANDB_DIR"))
+    run.define_metric("rollout/step")
+    run.define_metric("rollout/*", step_metric="rollout/step")
+    return run
+
+
+def log_raw_info(args: Any, all_meta_info: Sequence[dict[str, Any]], rollout_id: int,
+                 stats: BuildStats | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Log one step's `rollout/` metrics (wandb when `args.use_wandb`, else the log) and return them.
+
+    `stats` (the step's sample-building counts) adds response-length, generated-token, fork and
+    retokenization figures; `extra` adds caller-specific `rollout/` values. A wandb failure is logged and never stops training.
+    """
+    settings = AgentRolloutSettings.from_args(args)
+    metrics = rollout_metrics(all_meta_info, stats)
+    metrics.update(extra or {})
+    metrics["rollout/step"] = rollout_step(settings, rollout_id)
+    if settings.use_wandb:
+        try:
+            _wandb_run(settings).log(metrics)
+        except Exception:
+            log.exception("logging rollout %d to wandb failed; metrics: %s", rollout_id, metrics)
+            return metrics
+    log.info("rollout %d: %s", rollout_id, metrics)
+    return metrics

@@ -1,0 +1,159 @@
+"""The adapter's settings, read from slime's `args` by slime's own names, with one documented default each.
+
+slime passes one big argparse namespace to the rollout function; older and newer slime versions differ in
+which attributes exist, so every value is read with a default instead of assuming the attribute.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "AgentRolloutSettings"]
+
+DEFAULT_BUFFER_URL = "http://127.0.0.1:8889"
+# slime's own agent rollout sent 3 epochs when `--num-epoch` was unset; a single pass can starve a trainer
+# whose `num_rollout` needs more data than one pass, and the fetch loop would then wait for ever.
+DEFAULT_NUM_EPOCH = 3
+
+
+def _get(args: Any, name: str, default: Any) -> Any:
+    """`args.name`, or `default` when the attribute is missing or None (argparse's "not given")."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class AgentRolloutSettings:
+    """Everything the agent rollout reads from slime's `args`. Defaults, by field:
+
+    - `buffer_url` (`agent_rollout_buffer_url`, else `rollout_buffer_url`, else env `ROLLOUT_BUFFER_URL`):
+      "http://127.0.0.1:8889", the buffer's default address. A trailing "/" is removed.
+    - `loss_mask_type` (`loss_mask_type`): "qwen". Only used for records without `turns`.
+    - `n_samples_per_prompt` (`n_samples_per_prompt`): 1. Sent as `num_repeat_per_sample`.
+    - `rollout_batch_size` (`rollout_batch_size`): 1. Groups returned per step.
+    - `hf_checkpoint` (`hf_checkpoint`): None. Tokenizer path, sent as `tokenizer_path`; without it the
+      message path (records without `turns`) raises, the token path needs no tokenizer.
+    - `prompt_data` (`prompt_data`): None. Sent as `input_file`; starting a run without it raises.
+    - `max_response_len` (`rollout_max_response_len`): None, meaning `max_tokens` is not sent and the
+      task's / engine's own limit applies.
+    - `temperature` (`rollout_temperature`): 1.0. `top_p` (`rollout_top_p`): 1.0.
+    - `task_type` (`rollout_task_type`): "math".
+    - `disable_rewards_normalization` (`disable_rewards_normalization`): False. See `reward_field`.
+    - `fetch_retry_times` (`fetch_trajectory_retry_times`): -1, unlimited consecutive failed fetches.
+    - `use_wandb` (`use_wandb`): False. `wandb_project` (`wandb_project`): "rollout-buffer";
+      `wandb_group` (`wandb_group`): None; `wandb_always_use_train_step`: False;
+      `global_batch_size` (`global_batch_size`): None (the train-step conversion then uses `rollout_id`).
+    - `remote_engine_url`: "http://{sglang_router_ip}:{sglang_router_port}" when both are set, else ""
+      (the buffer's task then uses its own default).
+    - `num_process` (`rollout_num_process`): 32, the buffer's own default concurrency.
+    - `num_epoch` (`num_epoch`): 3 (see `DEFAULT_NUM_EPOCH`).
+    - `run_id` (`agent_rollout_run_id`): None; the buffer derives a stable id from the run's settings.
+    - `fetch_timeout_s` (`agent_fetch_timeout_s`): 100.0, one long poll of `/get_rollout_data`.
+    - `fetch_backoff_s` (`agent_fetch_backoff_s`): 1.0, first wait after an empty or failed fetch,
+      doubled each consecutive failure up to `fetch_backoff_max_s` (`agent_fetch_backoff_max_s`): 30.0.
+    - `start_attempts` (`agent_start_rollout_attempts`): 8 tries of `/start_rollout`;
+      `start_backoff_s` (`agent_start_rollout_backoff_s`): 1.0, doubled per try up to 30 s;
+      `start_timeout_s` (`agent_start_rollout_timeout_s`): 30.0 per request.
+    """
+
+    buffer_url: str = DEFAULT_BUFFER_URL
+    loss_mask_type: str = "qwen"
+    n_samples_per_prompt: int = 1
+    rollout_batch_size: int = 1
+    hf_checkpoint: str | None = None
+    prompt_data: str | None = None
+    max_response_len: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    task_type: str = "math"
+    disable_rewards_normalization: bool = False
+    fetch_retry_times: int = -1
+    use_wandb: bool = False
+    wandb_project: str = "rollout-buffer"
+    wandb_group: str | None = None
+    wandb_always_use_train_step: bool = False
+    global_batch_size: int | None = None
+    remote_engine_url: str = ""
+    num_process: int = 32
+    num_epoch: int = DEFAULT_NUM_EPOCH
+    run_id: str | None = None
+    fetch_timeout_s: float = 100.0
+    fetch_backoff_s: float = 1.0
+    fetch_backoff_max_s: float = 30.0
+    start_attempts: int = 8
+    start_backoff_s: float = 1.0
+    start_timeout_s: float = 30.0
+
+    @classmethod
+    def from_args(cls, args: Any) -> AgentRolloutSettings:
+        """Read slime's namespace (any object with attributes); see the class docstring for defaults."""
+        url = (_get(args, "agent_rollout_buffer_url", None) or _get(args, "rollout_buffer_url", None)
+               or os.environ.get("ROLLOUT_BUFFER_URL") or DEFAULT_BUFFER_URL)
+        ip, port = getattr(args, "sglang_router_ip", None), getattr(args, "sglang_router_port", None)
+        engine_url = f"http://{ip}:{port}" if ip and port else ""
+        max_len = getattr(args, "rollout_max_response_len", None)
+        global_batch = getattr(args, "global_batch_size", None)
+        settings = cls(
+            buffer_url=str(url).rstrip("/"),
+            loss_mask_type=str(_get(args, "loss_mask_type", "qwen")),
+            n_samples_per_prompt=int(_get(args, "n_samples_per_prompt", 1)),
+            rollout_batch_size=int(_get(args, "rollout_batch_size", 1)),
+            hf_checkpoint=_get(args, "hf_checkpoint", None),
+            prompt_data=_get(args, "prompt_data", None),
+            max_response_len=int(max_len) if max_len is not None else None,
+            temperature=float(_get(args, "rollout_temperature", 1.0)),
+            top_p=float(_get(args, "rollout_top_p", 1.0)),
+            task_type=str(_get(args, "rollout_task_type", "math")),
+            disable_rewards_normalization=bool(_get(args, "disable_rewards_normalization", False)),
+            fetch_retry_times=int(_get(args, "fetch_trajectory_retry_times", -1)),
+            use_wandb=bool(_get(args, "use_wandb", False)),
+            wandb_project=str(_get(args, "wandb_project", "rollout-buffer")),
+            wandb_group=_get(args, "wandb_group", None),
+            wandb_always_use_train_step=bool(_get(args, "wandb_always_use_train_step", False)),
+            global_batch_size=int(global_batch) if global_batch else None,
+            remote_engine_url=engine_url,
+            num_process=int(_get(args, "rollout_num_process", 32)),
+            num_epoch=int(_get(args, "num_epoch", DEFAULT_NUM_EPOCH)),
+            run_id=_get(args, "agent_rollout_run_id", None),
+            fetch_timeout_s=float(_get(args, "agent_fetch_timeout_s", 100.0)),
+            fetch_backoff_s=float(_get(args, "agent_fetch_backoff_s", 1.0)),
+            fetch_backoff_max_s=float(_get(args, "agent_fetch_backoff_max_s", 30.0)),
+            start_attempts=int(_get(args, "agent_start_rollout_attempts", 8)),
+            start_backoff_s=float(_get(args, "agent_start_rollout_backoff_s", 1.0)),
+            start_timeout_s=float(_get(args, "agent_start_rollout_timeout_s", 30.0)),
+        )
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Refuse values that would make the rollout loop meaningless (zero-sized steps, no tries)."""
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.rollout_batch_size < 1:
+            raise ValueError(f"rollout_batch_size must be >= 1, got {self.rollout_batch_size}")
+        if self.fetch_retry_times < -1:
+            raise ValueError(f"fetch_trajectory_retry_times must be -1 (unlimited) or >= 0, got {self.fetch_retry_times}")
+        if self.start_attempts < 1:
+            raise ValueError(f"agent_start_rollout_attempts must be >= 1, got {self.start_attempts}")
+        if self.fetch_timeout_s <= 0:
+            raise ValueError(f"agent_fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+
+    @property
+    def samples_per_step(self) -> int:
+        """slime's step size in samples: `rollout_batch_size * n_samples_per_prompt`."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    def reward_field(self, has_raw_reward: bool) -> str:
+        """Which record field becomes `Sample.reward`.
+
+        The buffer's group hook may normalise rewards (GRPO-style) and then keeps the original in
+        `raw_reward`. With normalisation enabled (`disable_rewards_normalization` false) and a record that
+        carries `raw_reward`, the normalised `reward` is trained on. Otherwise the raw value is: `raw_reward`
+        when present, else `reward` (which then was never normalised). `metadata["raw_reward"]` always
+        holds the raw value, so slime's `raw_reward` logging is unaffected.
+        """
+        if not self.disable_rewards_normalization and has_raw_reward:
+            return "reward"
+        return "raw_reward" if has_raw_reward else "reward"

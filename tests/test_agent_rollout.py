@@ -1,0 +1,210 @@
+"""`generate_rollout` as slime calls it, step by step, with a slime-like data buffer.
+
+The buffer is a real `rollout-buffer serve` process whose records the test writes (tasks "external" and
+"graded", no engine needed); tiny aiohttp apps stand in for buffers that misbehave.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+from slime_adapter.agent_rollout import (
+    RolloutDataUnavailable,
+    SampleBuildError,
+    generate_rollout,
+    reset_state,
+)
+from slime_adapter.sample import Sample
+from tests.helpers import ServerProcess, make_record, write_jsonl
+
+SYSTEM = [{"role": "user", "content": "What is 6*7?"}]
+
+
+@pytest.fixture()
+def server(external_buffer: ServerProcess) -> ServerProcess:
+    return external_buffer
+
+
+@pytest.fixture(autouse=True)
+def fresh_adapter() -> Iterator[None]:
+    reset_state()
+    yield
+    reset_state()
+
+
+@pytest.fixture()
+def input_file(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "input.jsonl", [{"instance_id": f"i{i}", "prompt": f"p{i}"} for i in range(8)])
+
+
+def slime_args(url: str, input_file: Path, **extra: Any) -> SimpleNamespace:
+    values: dict[str, Any] = {
+        "agent_rollout_buffer_url": url, "rollout_task_type": "external", "prompt_data": str(input_file),
+        "n_samples_per_prompt": 2, "rollout_batch_size": 2, "num_epoch": 1, "rollout_num_process": 4,
+        "hf_checkpoint": str(qwen_tokenizer_dir("qwen2.5")), "loss_mask_type": "qwen",
+        "agent_fetch_timeout_s": 5.0, "agent_fetch_backoff_s": 0.05, "fetch_trajectory_retry_times": 20,
+    }
+    values.update(extra)
+    return SimpleNamespace(**values)
+
+
+def token_record(tok: Any, instance_id: str, reward: float, **extra: Any) -> dict[str, Any]:
+    """A record with the engine's own tokens (`turns`), as the runtime writes them."""
+    prompt = tok.apply_chat_template(SYSTEM, tokenize=True, return_dict=False, add_generation_prompt=True)
+    output = tok.encode("42", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    turn = {"prompt_ids": prompt, "output_ids": output, "output_logprobs": [-0.5] * len(output),
+            "finish_reason": "stop", "weight_version": "3"}
+    messages = [*SYSTEM, {"role": "assistant", "content": "42"}]
+    return make_record(instance_id, reward=reward, messages=messages, turns=[turn], **extra)
+
+
+def check_sample(sample: Any) -> None:
+    assert len(sample.loss_mask) == sample.response_length
+    assert sample.rollout_log_probs is None or len(sample.rollout_log_probs) == sample.response_length
+    assert 0 < sample.response_length <= len(sample.tokens) and sum(sample.loss_mask) > 0
+
+
+def write_all(url: str, run_id: str, records: list[dict[str, Any]]) -> None:
+    with httpx.Client(base_url=url, timeout=10) as client:
+        for record in records:
+            response = client.post("/buffer/write", json={**record, "run_id": run_id})
+            assert response.status_code == 200 and response.json()["success"], response.text
+
+
+def test_two_steps_with_normalised_then_raw_rewards_and_a_filtered_group(
+        server: ServerProcess, input_file: Path, qwen_tokenizer: Any, slime_data_buffer: Any) -> None:
+    args = slime_args(server.url, input_file, rollout_task_type="graded", agent_rollout_run_id="graded-1")
+    buffer = slime_data_buffer()
+    with httpx.Client(base_url=server.url, timeout=10) as client:  # the run must exist before records arrive
+        body = {"task_type": "graded", "input_file": str(input_file), "num_repeat_per_sample": 2, "run_id": "graded-1"}
+        assert client.post("/start_rollout", json=body).status_code == 200
+    write_all(server.url, "graded-1", [
+        make_record("i0", reward=0.0), make_record("i0", reward=0.0),  # all zero: filtered by the task's hook
+        make_record("i1", reward=1.0), make_record("i1", reward=3.0),
+        token_record(qwen_tokenizer, "i2", 2.0), token_record(qwen_tokenizer, "i2", 0.0),
+    ])
+    groups = generate_rollout(args, 0, buffer)
+    assert [[s.metadata["instance_id"] for s in g] for g in groups] == [["i1", "i1"], ["i2", "i2"]]
+    assert buffer.metadata == {"0": ["i0", "i1", "i2"]}, "the filtered group is finished too"
+    assert buffer.get_buffer_length() == 0
+    for group in groups:
+        assert sorted(s.reward for s in group) == pytest.approx([-1.0, 1.0], abs=1e-5), "normalised rewards"
+        assert len({s.group_index for s in group}) == 1
+        for sample in group:
+            check_sample(sample)
+            assert isinstance(sample, Sample) and sample.status == Sample.Status.COMPLETED
+    assert sorted(s.metadata["raw_reward"] for s in groups[0]) == [1.0, 3.0]
+    assert {s.metadata["mask_source"] for s in groups[0]} == {"retokenized"}
+    token_sample = groups[1][0]
+    assert token_sample.metadata["mask_source"] == "tokens" and token_sample.rollout_log_probs[-1] == -0.5
+    assert token_sample.tokens == qwen_tokenizer.apply_chat_template(
+        SYSTEM, tokenize=True, return_dict=False, add_generation_prompt=True) + token_sample.tokens[-3:]
+    assert groups[0][0].group_index != groups[1][0].group_index
+
+    write_all(server.url, "graded-1", [make_record(f"i{i}", reward=r) for i in (3, 4) for r in (1.0, 3.0)])
+    raw_args = slime_args(server.url, input_file, rollout_task_type="graded", agent_rollout_run_id="graded-1",
+                          disable_rewards_normalization=True)
+    groups = generate_rollout(raw_args, 1, buffer)
+    assert [g[0].metadata["instance_id"] for g in groups] == ["i3", "i4"]
+    assert [sorted(s.reward for s in g) for g in groups] == [[1.0, 3.0], [1.0, 3.0]], "raw rewards"
+    assert buffer.metadata == {"0": ["i0", "i1", "i2"], "1": ["i3", "i4"]}
+
+
+def test_fetch_gives_up_after_the_configured_retries(server: ServerProcess, input_file: Path,
+                                                     slime_data_buffer: Any) -> None:
+    args = slime_args(server.url, input_file, agent_rollout_run_id="idle", fetch_trajectory_retry_times=2,
+                      agent_fetch_timeout_s=0.3)
+    buffer = slime_data_buffer()
+    began = time.monotonic()
+    with pytest.raises(RolloutDataUnavailable, match=r"3 consecutive fetch\(es\).*no group ready.*0/2 group"):
+        generate_rollout(args, 0, buffer)
+    assert time.monotonic() - began < 5.0
+    assert buffer.get_buffer_length() == 0 and buffer.metadata == {}
+
+
+def test_evaluation_is_refused(input_file: Path, slime_data_buffer: Any) -> None:
+    with pytest.raises(NotImplementedError, match="eval"):
+        generate_rollout(slime_args("http://127.0.0.1:9", input_file), 0, slime_data_buffer(), evaluation=True)
+
+
+class LegacyBuffer:
+    """A buffer that ignores `num` and hands over every ready group: the source of surplus groups."""
+
+    def __init__(self, reads: list[list[dict[str, Any]]], status: int = 200) -> None:
+        self.reads = reads
+        self.status = status
+        self.start_bodies: list[dict[str, Any]] = []
+        self.read_bodies: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/start_rollout", self.start)
+        app.router.add_post("/get_rollout_data", self.read)
+        return app
+
+    async def start(self, request: web.Request) -> web.Response:
+        self.start_bodies.append(await request.json())
+        return web.json_response({"message": "ok", "run_id": "legacy", "created": True, "skipped_instance_ids": 0})
+
+    async def read(self, request: web.Request) -> web.Response:
+        self.read_bodies.append(await request.json())
+        if self.status != 200:
+            return web.Response(status=self.status, text="overloaded")
+        if not self.reads:
+            return web.json_response({"success": False, "message": "no group is ready",
+                                      "data": {"data": [], "meta_info": {}}})
+        records = self.reads.pop(0)
+        finished = list(dict.fromkeys(r["instance_id"] for r in records))
+        meta = {"total_samples": len(records), "num_groups": len(finished), "avg_reward": 0.5,
+                "finished_groups": finished, "filtered_groups": []}
+        return web.json_response({"success": True, "message": "", "data": {"data": records, "meta_info": meta}})
+
+
+def test_surplus_groups_stay_in_order_for_the_next_step(tiny_server: Any, input_file: Path, qwen_tokenizer: Any,
+                                                        slime_data_buffer: Any) -> None:
+    group = lambda i: [token_record(qwen_tokenizer, f"i{i}", r) for r in (0.0, 1.0)]
+    legacy = LegacyBuffer([group(0) + group(1) + group(2), group(3)])
+    url = tiny_server(legacy.app())
+    buffer = slime_data_buffer({"7": ["x1", "x2"], "8": ["x2", "x3"]})
+    args = slime_args(url, input_file)
+    first = generate_rollout(args, 9, buffer)
+    assert [g[0].metadata["instance_id"] for g in first] == ["i0", "i1"]
+    assert buffer.get_buffer_length() == 1 and buffer.metadata["9"] == ["i0", "i1", "i2"]
+    second = generate_rollout(args, 10, buffer)
+    assert [g[0].metadata["instance_id"] for g in second] == ["i2", "i3"], "the surplus group comes first"
+    assert buffer.metadata["10"] == ["i3"] and buffer.get_buffer_length() == 0
+    assert len(legacy.start_bodies) == 1, "the run is started once per process"
+    assert legacy.start_bodies[0]["skip_instance_ids"] == ["x1", "x2", "x3"]
+    assert [b.get("num") for b in legacy.read_bodies] == [4, 2], "the second step asks only for what is missing"
+    assert all(b["run_id"] == "legacy" for b in legacy.read_bodies)
+
+
+def test_a_group_that_cannot_be_built_raises_after_keeping_the_rest(tiny_server: Any, input_file: Path,
+                                                                    qwen_tokenizer: Any, slime_data_buffer: Any) -> None:
+    good = [token_record(qwen_tokenizer, "i0", r) for r in (0.0, 1.0)]
+    bad = [make_record("i1", reward=r) for r in (0.0, 1.0)]  # message path, but no tokenizer configured
+    url = tiny_server(LegacyBuffer([good + bad]).app())
+    buffer = slime_data_buffer()
+    with pytest.raises(SampleBuildError, match="instance i1.*hf_checkpoint") as info:
+        generate_rollout(slime_args(url, input_file, hf_checkpoint=None), 0, buffer)
+    assert [r["instance_id"] for r in info.value.records] == ["i1", "i1"]
+    assert buffer.metadata == {"0": ["i0", "i1"]} and buffer.get_buffer_length() == 1
+
+
+def test_http_errors_count_as_failed_fetches(tiny_server: Any, input_file: Path, slime_data_buffer: Any) -> None:
+    legacy = LegacyBuffer([], status=503)
+    url = tiny_server(legacy.app())
+    with pytest.raises(RolloutDataUnavailable, match="ClientResponseError.*503"):
+        generate_rollout(slime_args(url, input_file, fetch_trajectory_retry_times=1), 0, slime_data_buffer())
+    assert len(legacy.read_bodies) == 2
+    assert json.loads(json.dumps(legacy.read_bodies[0]))["wait_s"] == pytest.approx(4.0)
