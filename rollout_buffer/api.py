@@ -12,14 +12,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import ORJSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from rollout_buffer import __version__
+from rollout_buffer.bodies import install_openapi, json_body, parse_body
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.http_errors import BodySizeLimit, error_response, install_error_handlers
 from rollout_buffer.reads import read_rollout_data
-from rollout_buffer.runs import NoRuntime, Runtime, StartRolloutError, start_run
-from rollout_buffer.schema import GetRolloutDataRequest, StartRolloutRequest, TrajectoryRecord
+from rollout_buffer.remote import RemoteService, router as remote_router
+from rollout_buffer.runs import Runtime, StartRolloutError, start_run
+from rollout_buffer.schema import BatchWriteRequest, GetRolloutDataRequest, StartRolloutRequest, TrajectoryRecord
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskRegistry, discover
@@ -39,10 +41,13 @@ class AppState:
     metrics: CollectorRegistry
     writes: Counter
     reads: Counter
+    run_stats: Gauge
 
 
 def _default_runtime(store: Store, registry: TaskRegistry, settings: Settings) -> Runtime:
-    return NoRuntime()
+    from rollout_buffer.runtime import build_runtime
+
+    return build_runtime(store, registry, settings)
 
 
 async def _sweep_group_timeouts(state: AppState) -> None:
@@ -81,8 +86,12 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
             embedded=embedded, metrics=metrics,
             writes=Counter("rollout_buffer_writes", "Record writes by outcome", ["outcome"], registry=metrics),
             reads=Counter("rollout_buffer_reads", "Reads of rollout data by result", ["result"], registry=metrics),
+            run_stats=Gauge("rollout_buffer_run", "Totals of the active run, from Redis", ["run_id", "stat"],
+                            registry=metrics),
         )
         app.state.buffer = state
+        app.state.remote = RemoteService(store, registry, settings)
+        await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
         sweeper = asyncio.create_task(_sweep_group_timeouts(state)) if settings.group_timeout_s else None
         log.info("rollout-buffer ready on redis %s with tasks %s", url, sorted(registry.tasks))
         try:
@@ -90,6 +99,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         finally:
             if sweeper is not None:
                 sweeper.cancel()
+            await app.state.remote.stop()
             await state.runtime.shutdown()
             await store.close()
             if embedded is not None:
@@ -98,6 +108,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan,
                   default_response_class=ORJSONResponse)
     install_error_handlers(app)
+    install_openapi(app)
+    app.include_router(remote_router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
     def state_of(request: Request) -> AppState:
@@ -107,26 +119,29 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
         """Start a run (or find the same one already running) and launch its rollouts."""
         state = state_of(request)
+        if not body.remote_buffer_url:  # legacy task modules write back to us; tell them where
+            body.remote_buffer_url = str(request.base_url).rstrip("/")
         try:
             spec = await start_run(state.store, state.registry, body)
+            await state.runtime.launch(spec)
         except StartRolloutError as exc:
             return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
-        await state.runtime.launch(spec)
         verb = "started" if spec.created else "already exists; resumed"
         return {"message": f"run {spec.run_id} {verb}", "run_id": spec.run_id, "created": spec.created,
                 "skipped_instance_ids": len(spec.excluded_ids)}
 
-    @app.post("/buffer/write")
-    async def buffer_write(record: TrajectoryRecord, request: Request) -> Any:
+    @app.post("/buffer/write", openapi_extra=json_body(TrajectoryRecord))
+    async def buffer_write(request: Request) -> Any:
         """Store one trajectory; idempotent by uid. Attaches to the active run unless `run_id` is given."""
+        record = await parse_body(request, TrajectoryRecord)
         state = state_of(request)
         run_id = record.run_id or await state.store.active_run()
         if run_id is None:
             return error_response(409, "no active run: start one with POST /start_rollout "
                                        "(or give the record a run_id)")
-        if record.run_id is not None and not await state.store.run_exists(run_id):
+        outcome = await state.store.write_record(run_id, record.to_store())
+        if outcome.reason == "unknown_run":  # checked inside the write script: no extra round trip
             return error_response(404, f"unknown run_id {run_id!r}")
-        outcome = await state.store.write_record(run_id, record.model_dump())
         state.writes.labels(outcome.outcome).inc()
         data = {"uid": record.uid, "run_id": run_id, "outcome": outcome.outcome}
         if outcome.outcome == "dropped":
@@ -137,6 +152,39 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
                                        f"(group of instance {record.instance_id} is closed or full)")
         message = "already stored (duplicate uid)" if outcome.outcome == "duplicate" else "stored"
         return {"success": True, "message": message, "data": {**data, "group_completed": outcome.outcome == "completed"}}
+
+    @app.post("/buffer/write_batch", openapi_extra=json_body(BatchWriteRequest))
+    async def buffer_write_batch(request: Request) -> Any:
+        """Store many trajectories in one request and one Redis round trip; same rules as /buffer/write.
+        The whole batch is validated first: one bad record refuses the batch and stores nothing."""
+        body = await parse_body(request, BatchWriteRequest)
+        state = state_of(request)
+        run_id = body.run_id or await state.store.active_run()
+        if run_id is None:
+            return error_response(409, "no active run: start one with POST /start_rollout (or give run_id)")
+        if not await state.store.run_exists(run_id):
+            return error_response(404, f"unknown run_id {run_id!r}")
+        foreign = [r.uid for r in body.records if r.run_id not in (None, run_id)]
+        if foreign:
+            return error_response(422, f"records {foreign[:5]} name another run than {run_id!r}")
+        outcomes = await state.store.write_records(run_id, [r.to_store() for r in body.records])
+        results = []
+        for record, outcome in zip(body.records, outcomes):
+            state.writes.labels(outcome.outcome).inc()
+            results.append({"uid": record.uid, "outcome": outcome.outcome, "reason": outcome.reason,
+                            "group_completed": outcome.outcome == "completed"})
+        counts = {name: sum(1 for o in outcomes if o.outcome == name) for name in ("stored", "completed", "duplicate", "dropped")}
+        return {"success": counts["dropped"] == 0, "run_id": run_id,
+                "message": f"{counts['stored'] + counts['completed']} stored, {counts['duplicate']} duplicate(s), "
+                           f"{counts['dropped']} dropped",
+                "data": {"results": results, **counts}}
+
+    if settings.bench_routes:
+        @app.post("/_bench/parse_only", include_in_schema=False)
+        async def bench_parse_only(request: Request) -> Any:
+            """Benchmark baseline: the same body parsing as /buffer/write, and nothing else."""
+            record = await parse_body(request, TrajectoryRecord)
+            return {"success": True, "message": "parsed", "data": {"uid": record.uid}}
 
     @app.post("/get_rollout_data")
     async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None = None) -> Any:
@@ -206,7 +254,13 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Any:
-        """Prometheus text: this process's counters (per-run totals are in GET /runs/{run_id})."""
-        return PlainTextResponse(generate_latest(state_of(request).metrics), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus text: this process's counters, and the active run's totals from Redis (drops by
+        reason, groups, records) as `rollout_buffer_run{run_id, stat}`."""
+        state = state_of(request)
+        run_id = await state.store.active_run()
+        if run_id:
+            for name, value in (await state.store.stats(run_id)).items():
+                state.run_stats.labels(run_id, name).set(value)
+        return PlainTextResponse(generate_latest(state.metrics), media_type=CONTENT_TYPE_LATEST)
 
     return app

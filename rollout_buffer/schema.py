@@ -33,8 +33,11 @@ class Turn(BaseModel):
                 f"turns[].output_logprobs has {len(self.output_logprobs)} values for "
                 f"{len(self.output_ids)} output_ids"
             )
-        if self.output_logprobs is not None and not all(math.isfinite(x) or x == -math.inf for x in self.output_logprobs):
-            raise ValueError("turns[].output_logprobs must be finite numbers (or -inf)")
+        if self.output_logprobs:
+            # One C-speed pass: the sum is NaN or +inf exactly when some value is NaN or +inf.
+            total = sum(self.output_logprobs)
+            if total != total or total == math.inf:
+                raise ValueError("turns[].output_logprobs must be finite numbers (or -inf)")
         return self
 
 
@@ -57,6 +60,13 @@ class TrajectoryRecord(BaseModel):
     turns: list[Turn] | None = None
     run_id: str | None = None
     epoch: int | None = None
+
+    def to_store(self) -> dict[str, Any]:
+        """The record as the store packs it: plain fields, and the validated turn objects as they are
+        (no copy of thousands of token ids into dicts first)."""
+        data = self.model_dump(exclude={"turns"})
+        data["turns"] = self.turns
+        return data
 
     @field_validator("instance_id", "uid", mode="before")
     @classmethod
@@ -126,7 +136,9 @@ class GetRolloutDataRequest(BaseModel):
     run_id: str | None = None
 
 
-class WriteResponse(BaseModel):
-    success: bool
-    message: str
-    data: dict[str, Any] = Field(default_factory=dict)
+class BatchWriteRequest(BaseModel):
+    """Body of `/buffer/write_batch`: many records of one run in one request."""
+
+    records: list[TrajectoryRecord] = Field(min_length=1, max_length=10_000)
+    run_id: str | None = None
+

@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     task_lease_s: float = Field(default=600.0, gt=0)
     rollout_timeout_s: float = Field(default=1800.0, gt=0)
     log_level: str = "info"
+    # Adds `/_bench/parse_only` (parses a record, stores nothing): the ingest benchmark's baseline.
+    bench_routes: bool = False
 
     @field_validator("task_dir", mode="before")
     @classmethod

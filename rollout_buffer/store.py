@@ -146,27 +146,43 @@ class Store:
 
     # ----- writes -----------------------------------------------------------------------------
 
-    async def write_record(self, run_id: str, record: dict[str, Any]) -> WriteOutcome:
-        """Store one validated record (idempotent by uid); completes its group atomically."""
+    def _write_call(self, run_id: str, record: dict[str, Any]) -> tuple[list[str], list[Any]]:
         record = {**record, "run_id": run_id}
         epoch = record.get("epoch")
-        blob = pack_record(record)
-        outcome, detail = await self._write(
-            keys=[
-                keys.records(run_id), keys.pending(run_id), keys.ready(run_id), keys.stats(run_id),
-                keys.since(run_id), keys.wake(run_id), keys.skip(run_id), keys.closed(run_id),
-                keys.run_meta(run_id), keys.since_groups(run_id),
-            ],
-            args=[
-                record["uid"], blob, keys.group_prefix(run_id), record["instance_id"],
-                -1 if epoch is None else int(epoch), time.time(), repr(float(record["reward"])),
-                record.get("status") or "completed",
-            ],
-        )
-        outcome_text, detail_text = _text(outcome) or "", _text(detail) or ""
-        if outcome_text == "dropped":
-            return WriteOutcome(outcome_text, reason=detail_text)
-        return WriteOutcome(outcome_text, group=detail_text)
+        write_keys = [
+            keys.records(run_id), keys.pending(run_id), keys.ready(run_id), keys.stats(run_id),
+            keys.since(run_id), keys.wake(run_id), keys.skip(run_id), keys.closed(run_id),
+            keys.run_meta(run_id), keys.since_groups(run_id),
+        ]
+        args = [
+            record["uid"], pack_record(record), keys.group_prefix(run_id), record["instance_id"],
+            -1 if epoch is None else int(epoch), time.time(), repr(float(record["reward"])),
+            record.get("status") or "completed",
+        ]
+        return write_keys, args
+
+    @staticmethod
+    def _outcome(reply: list[Any]) -> WriteOutcome:
+        outcome, detail = (_text(x) or "" for x in reply)
+        if outcome == "dropped":
+            return WriteOutcome(outcome, reason=detail)
+        return WriteOutcome(outcome, group=detail)
+
+    async def write_record(self, run_id: str, record: dict[str, Any]) -> WriteOutcome:
+        """Store one validated record (idempotent by uid); completes its group atomically."""
+        write_keys, args = self._write_call(run_id, record)
+        return self._outcome(await self._write(keys=write_keys, args=args))
+
+    async def write_records(self, run_id: str, records: list[dict[str, Any]]) -> list[WriteOutcome]:
+        """Many writes in one round trip (a pipeline of the same atomic script), outcomes in order."""
+        if not records:
+            return []
+        calls = [self._write_call(run_id, record) for record in records]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for write_keys, args in calls:
+                await self._write(keys=write_keys, args=args, client=pipe)
+            replies = await pipe.execute()
+        return [self._outcome(reply) for reply in replies]
 
     # ----- reads ------------------------------------------------------------------------------
 

@@ -237,10 +237,14 @@ def test_start_rollout_is_idempotent_and_accepts_string_values(client: httpx.Cli
     assert client.get("/runs").json()["active_run"] == different["run_id"]
 
 
-def test_tasks_and_docs_are_served(client: httpx.Client) -> None:
+def test_tasks_docs_and_metrics_are_served(client: httpx.Client, input_file: Path) -> None:
+    run_id = new_run(client, input_file, repeats=2)
+    assert client.post("/buffer/write", json=make_record("i0")).json()["data"]["run_id"] == run_id
     tasks = client.get("/tasks").json()
     assert {"external", "graded"} <= set(tasks["tasks"])
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/start_rollout", "/buffer/write", "/get_rollout_data", "/runs/{run_id}"} <= set(paths)
-    assert "rollout_buffer_writes" in client.get("/metrics").text
+    metrics = client.get("/metrics").text
+    assert "rollout_buffer_writes" in metrics
+    assert f'rollout_buffer_run{{run_id="{run_id}",stat="records_written"}} 1.0' in metrics
