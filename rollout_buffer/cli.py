@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             from rollout_buffer.demo import main as demo_main
 
             return demo_main(rest)
-        from bench.__main__ import main as bench_main
-
+        try:
+            from bench.__main__ import main as bench_main
+        except ModuleNotFoundError:
+            print("rollout-buffer bench: run it from the repository root (the bench/ folder is not installed)",
+                  file=sys.stderr)
+            return 2
         return bench_main(rest)
     args = build_parser().parse_args(argv)
     settings = settings_from(args)

@@ -1,0 +1,108 @@
+"""`python -m bench` (or `rollout-buffer bench`): every benchmark, each against its baseline measured in
+the same run, printed as one table and written as JSON.
+
+    python -m bench [--quick] [--only NAME ...] [--json bench/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+# benchmark name -> module in this package with run(quick) -> dict
+BENCHMARKS = ("ingest", "read_latency", "storage", "rollout_concurrency", "sample_building", "end_to_end")
+
+
+@dataclass
+class Row:
+    benchmark: str
+    ours: str
+    baseline: str
+    ratio: float
+    target: str
+    met: bool
+
+
+def _rows(name: str, r: dict[str, Any]) -> list[Row]:
+    """One result dict -> its table rows."""
+    if name == "ingest":
+        return [
+            Row("ingest (/buffer/write, 64 clients)", f"{r['write_records_per_s']:.0f} rec/s",
+                f"{r['noop_records_per_s']:.0f} rec/s parse-only", r["ratio"], ">= 0.7x", r["ratio"] >= 0.7),
+            Row(f"batch ingest ({r['batch_size']}/request)", f"{r['batch_records_per_s']:.0f} rec/s",
+                f"{r['write_records_per_s']:.0f} rec/s single", r["batch_ratio"], ">= 5x", r["batch_ratio"] >= 5),
+        ]
+    if name == "read_latency":
+        return [Row("read 128 groups x 8", f"{r['many']['median_s'] * 1000:.1f} ms, {r['many']['pending_groups']} pending",
+                    f"{r['few']['median_s'] * 1000:.1f} ms, {r['few']['pending_groups']} pending", r["ratio"],
+                    "<= 1.3", r["ratio"] <= 1.3)]
+    if name == "storage":
+        b = r["bytes_per_token"]
+        return [Row("storage of turns", f"{b['packed_turns']:.2f} B/token", f"{b['json_turns']:.2f} B/token JSON",
+                    r["ratio"], "<= 0.4x", r["ratio"] <= 0.4)]
+    if name == "rollout_concurrency":
+        ok = r["ratio"] >= 0.9 and r["peak_rss_mb"] <= 600
+        return [Row("rollout concurrency (1024 x 3 turns)", f"{r['calls_per_s']:.0f} calls/s, RSS {r['peak_rss_mb']:.0f} MB",
+                    f"{r['ideal_calls_per_s']:.0f} calls/s ideal", r["ratio"], ">= 0.9x, RSS <= 600 MB", ok)]
+    if name == "sample_building":
+        return [
+            Row("sample building, token path", f"{r['token_per_s']:.0f} samples/s",
+                f"{r['naive_per_s']:.0f} samples/s naive", r["token_ratio"], ">= 50x", r["token_ratio"] >= 50),
+            Row("sample building, message path", f"{r['message_per_s']:.0f} samples/s",
+                f"{r['naive_per_s']:.0f} samples/s naive", r["message_ratio"], ">= 5x, identical tokens",
+                r["message_ratio"] >= 5 and bool(r["identical_tokens"])),
+        ]
+    if name == "end_to_end":
+        return [Row("end to end (start -> Samples)", f"{r['groups_per_s']:.1f} groups/s",
+                    f"{r['stages_groups_per_s']:.1f} groups/s, stages alone", r["ratio"], ">= 0.8x", r["ratio"] >= 0.8)]
+    raise KeyError(name)
+
+
+def render(rows: list[Row]) -> str:
+    header = ("benchmark", "ours", "baseline (same run)", "ratio", "target", "met")
+    cells = [header] + [(r.benchmark, r.ours, r.baseline, f"{r.ratio:.2f}", r.target, "yes" if r.met else "NO")
+                        for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="reduced sizes (under 2 minutes)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these")
+    parser.add_argument("--json", type=Path, default=Path("bench/results.json"), help="where to write results")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {}
+    rows: list[Row] = []
+    started = time.perf_counter()
+    for name in args.only or BENCHMARKS:
+        t0 = time.perf_counter()
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        result = importlib.import_module(f"bench.{name}").run(args.quick)
+        result["seconds"] = time.perf_counter() - t0
+        results[name] = result
+        rows.extend(_rows(name, result))
+    table = render(rows)
+    print(table)
+    elapsed = time.perf_counter() - started
+    print(f"\n{sum(r.met for r in rows)}/{len(rows)} targets met; {elapsed:.0f} s "
+          f"({'quick' if args.quick else 'full'} run, {platform.machine()}, Python {platform.python_version()})")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_bytes(orjson.dumps({"quick": args.quick, "seconds": elapsed, "rows": [asdict(r) for r in rows],
+                                        "results": results}, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
