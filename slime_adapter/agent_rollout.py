@@ -7,12 +7,17 @@ tokens when records carry `turns`), hands them to slime's data buffer and return
 `data_buffer.get_samples(rollout_batch_size)`. The first call starts the buffer's run, skipping every
 instance id in the data buffer's metadata, which is what makes a resume from a checkpoint skip exactly
 what was trained.
+
+slime's data buffer asserts groups of exactly `n_samples_per_prompt` samples: a forked token-path record
+keeps only its last piece by default (`agent_fork_policy`, see `AgentRolloutSettings`), and a buffer whose
+groups are larger than the trainer asks for raises `GroupSizeMismatchError` at once instead of polling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -25,6 +30,7 @@ from slime_adapter.buffer_client import (
     BufferUnavailableError,
     StartRolloutRejected,
     build_start_payload,
+    fetch_rollout_data,
     get_rollout_data,
     skip_ids_from_metadata,
     start_rollout,
@@ -37,6 +43,7 @@ from slime_adapter.tokenizers import get_tokenizer
 __all__ = [
     "AgentRolloutState",
     "BufferUnavailableError",
+    "GroupSizeMismatchError",
     "RolloutDataUnavailable",
     "SampleBuildError",
     "StartRolloutRejected",
@@ -58,6 +65,16 @@ T = TypeVar("T")
 
 class RolloutDataUnavailable(RuntimeError):
     """More consecutive empty or failed fetches than `fetch_trajectory_retry_times` allows."""
+
+
+class GroupSizeMismatchError(RuntimeError):
+    """The buffer's groups are larger than the `num` this step asks for: the buffer's run groups more
+    samples per prompt than the trainer's `n_samples_per_prompt`. Polling again cannot help."""
+
+    def __init__(self, message: str, group_size: int | None, n_samples_per_prompt: int) -> None:
+        super().__init__(message)
+        self.group_size = group_size
+        self.n_samples_per_prompt = n_samples_per_prompt
 
 
 class SampleBuildError(RuntimeError):
@@ -162,7 +179,8 @@ class _Step:
     def _build(self, records: list[dict[str, Any]]) -> list[Any]:
         group_index = self.state.next_group_index
         samples, stats = build_group_samples(records, self._tokenizer, self.settings.loss_mask_type,
-                                             group_index=group_index)
+                                             group_index=group_index, fork_policy=self.settings.fork_policy,
+                                             verify=self.settings.loss_mask_verify)
         has_raw = {r["uid"]: r.get("raw_reward") is not None for r in records}
         for sample in samples:
             if self.settings.reward_field(has_raw[sample.metadata["uid"]]) == "raw_reward":
@@ -171,10 +189,11 @@ class _Step:
         self.stats.merge(stats)
         if len(samples) != self.settings.n_samples_per_prompt:
             self.size_mismatches += 1
-            log.warning("group of instance %s has %d sample(s), n_samples_per_prompt is %d (forks: %d); "
-                        "slime's group reward normalisation and RolloutDataSourceWithBuffer.add_samples "
-                        "assume groups of exactly n_samples_per_prompt",
-                        records[0]["instance_id"], len(samples), self.settings.n_samples_per_prompt, stats.forks)
+            log.warning("group of instance %s has %d sample(s), n_samples_per_prompt is %d (forks: %d, "
+                        "agent_fork_policy %r); slime's group reward normalisation and "
+                        "RolloutDataSourceWithBuffer.add_samples assume groups of exactly n_samples_per_prompt",
+                        records[0]["instance_id"], len(samples), self.settings.n_samples_per_prompt, stats.forks,
+                        self.settings.fork_policy)
         return samples
 
     def accept(self, records: list[dict[str, Any]], meta: dict[str, Any]) -> int:
@@ -202,6 +221,27 @@ class _Step:
         return len(built)
 
 
+# the buffer's answer when `num` cannot hold the next ready group (rollout_buffer.reads)
+_NUM_TOO_SMALL = re.compile(r"num=(?P<num>\d+) is smaller than the next ready group \((?P<size>\d+) records?\)")
+
+
+def _check_group_fits(step: "_Step", num: int, message: str) -> None:
+    """Raise at once when the buffer refused because `num` is smaller than its next ready group."""
+    match = _NUM_TOO_SMALL.search(message)
+    if match is None and not ("smaller than" in message and "group" in message):
+        return
+    n = step.settings.n_samples_per_prompt
+    size = int(match["size"]) if match else None
+    described = f"has {size} samples" if size is not None else "is larger than that"
+    raise GroupSizeMismatchError(
+        f"rollout {step.rollout_id}: the buffer's next ready group {described}, but this step asked for "
+        f"num={num} ({num // n} group(s) x n_samples_per_prompt={n}); the buffer's run groups "
+        f"{size if size is not None else 'more'} samples per prompt (its num_repeat_per_sample) while the "
+        f"trainer expects n_samples_per_prompt={n}. Make them equal (start the buffer's run with "
+        f"num_repeat_per_sample={n}, or set n_samples_per_prompt to the buffer's group size). "
+        f"Buffer said: {message!r}", size, n)
+
+
 def _backoff_s(settings: AgentRolloutSettings, failures: int) -> float:
     return min(settings.fetch_backoff_max_s, settings.fetch_backoff_s * 2 ** max(0, failures - 1))
 
@@ -217,23 +257,28 @@ async def _ensure_started(settings: AgentRolloutSettings, state: AgentRolloutSta
 
 async def _collect(step: _Step, need_groups: int) -> None:
     """Fetch until `need_groups` groups were added; empty answers and network errors back off and count
-    towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count)."""
+    towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count). A buffer whose
+    next group is larger than `num` raises `GroupSizeMismatchError` at once: waiting cannot fix it."""
     settings, failures = step.settings, 0
     while step.groups_added < need_groups:
         remaining = need_groups - step.groups_added
+        num = remaining * settings.n_samples_per_prompt
         began = time.monotonic()
         error: BaseException | None = None
+        message = ""
         try:
-            records, meta = await get_rollout_data(settings.buffer_url, num=remaining * settings.n_samples_per_prompt,
-                                                   timeout=settings.fetch_timeout_s, run_id=step.state.run_id)
+            records, meta, message = await fetch_rollout_data(settings.buffer_url, num, settings.fetch_timeout_s,
+                                                              run_id=step.state.run_id)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             error, records, meta = exc, [], {}
         if records or meta.get("finished_groups"):
             failures = 0
             step.accept(records, meta)
             continue
+        _check_group_fits(step, num, message)
         failures += 1
-        reason = f"{type(error).__name__}: {error}" if error else "no group ready"
+        reason = f"{type(error).__name__}: {error}" if error else "no group ready" + (
+            f" (buffer: {message})" if message else "")
         if 0 <= settings.fetch_retry_times < failures:
             raise RolloutDataUnavailable(
                 f"rollout {step.rollout_id}: {failures} consecutive fetch(es) from {settings.buffer_url} got no "
@@ -262,8 +307,12 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
     if need > 0:
         step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id)
         await _collect(step, need)
-        log_raw_info(args, step.metas, rollout_id, step.stats,
-                     extra={"rollout/group_size_mismatch": step.size_mismatches})
+        log_raw_info(args, step.metas, rollout_id, step.stats, extra={
+            "rollout/group_size_mismatch": step.size_mismatches,
+            "rollout/fork_dropped_pieces": step.stats.fork_dropped_pieces,
+            "rollout/fork_dropped_tokens": step.stats.fork_dropped_tokens,
+            "rollout/fork_dropped_generated_tokens": step.stats.fork_dropped_generated_tokens,
+        })
     return data_buffer.get_samples(settings.rollout_batch_size)
 
 

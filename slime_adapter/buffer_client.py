@@ -160,7 +160,7 @@ def long_poll_wait_s(timeout: float) -> float:
     return max(0.0, timeout - margin)
 
 
-def _parse_answer(text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _parse_answer(text: str) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     try:
         body = json.loads(text)
     except ValueError as exc:
@@ -186,9 +186,10 @@ def _parse_answer(text: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         missing = sorted(REQUIRED_RECORD_KEYS - set(record))
         if missing:
             raise ValueError(f"/get_rollout_data record {i} (uid {record.get('uid')!r}) is missing key(s) {missing}")
+    message = str(body.get("message") or "")
     if not body["success"]:
-        return [], meta
-    return records, meta
+        return [], meta, message
+    return records, meta, message
 
 
 async def get_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
@@ -199,6 +200,14 @@ async def get_rollout_data(api_base_url: str, num: int | None = None, timeout: f
     Raises `aiohttp.ClientError` (network, HTTP error status), `ValueError` (malformed answer),
     `asyncio.TimeoutError` (no answer within `timeout` seconds).
     """
+    records, meta, _ = await fetch_rollout_data(api_base_url, num, timeout, run_id=run_id)
+    return records, meta
+
+
+async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
+                             run_id: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """`get_rollout_data` plus the buffer's `message`: when nothing is handed over, the message is the
+    only place the buffer says why (nothing ready yet, or `num` smaller than the next group)."""
     url = f"{api_base_url.rstrip('/')}/get_rollout_data"
     payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout)}
     if num is not None:

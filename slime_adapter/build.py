@@ -3,6 +3,12 @@
 The token path uses the engine's own ids and never touches a tokenizer. The message path re-renders the
 messages with the chat template (mask_source "retokenized") and is only as exact as that rendering; the
 sample's metadata says which one produced it.
+
+A token-path record whose history forks yields one piece per fork. `fork_policy` says what the trainer
+receives: "all" keeps every piece (trainers that accept uneven groups); "last" keeps only the last piece,
+the one that ends with the final answer and carries the reward, so each record stays one sample and a
+group keeps exactly `n_samples_per_prompt` samples (slime asserts that and reshapes rewards by it). The
+dropped pieces are counted in `BuildStats.fork_dropped_pieces` / `fork_dropped_tokens`.
 """
 
 from __future__ import annotations
@@ -12,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.schema import TrajectoryRecord
-from slime_adapter.loss_mask import MultiTurnLossMaskGenerator
+from slime_adapter.loss_mask import cached_loss_mask_generator
 from slime_adapter.sample import make_sample, status_from_record
+from slime_adapter.settings import FORK_POLICIES
 from slime_adapter.token_path import build_token_pieces
 
-__all__ = ["BuildStats", "TokenizerGetter", "build_samples", "build_group_samples"]
+__all__ = ["FORK_POLICIES", "BuildStats", "TokenizerGetter", "build_samples", "build_group_samples"]
 
 TokenizerGetter = Callable[[], Any]
 
@@ -24,6 +31,11 @@ MASK_SOURCE_TOKENS = "tokens"
 MASK_SOURCE_RETOKENIZED = "retokenized"
 # finish reasons meaning the last generation was cut off: it never produced its end-of-turn token
 _CUT_OFF = frozenset({"length", "abort"})
+
+
+def _check_fork_policy(policy: str) -> None:
+    if policy not in FORK_POLICIES:
+        raise ValueError(f"fork_policy must be one of {FORK_POLICIES}, got {policy!r}")
 
 
 @dataclass
@@ -38,6 +50,11 @@ class BuildStats:
     prompt_tokens: int = 0
     response_tokens: int = 0
     generated_tokens: int = 0
+    #: pieces of forked records that `fork_policy="last"` left out, and their tokens (prompt + response)
+    fork_dropped_pieces: int = 0
+    fork_dropped_tokens: int = 0
+    #: the policy-generated (mask 1) tokens among those: sampled, but not trained on
+    fork_dropped_generated_tokens: int = 0
     pieces: list[dict[str, int]] = field(default_factory=list)
 
     def add_piece(self, prompt_tokens: int, response_tokens: int, generated_tokens: int) -> None:
@@ -58,6 +75,9 @@ class BuildStats:
         self.prompt_tokens += other.prompt_tokens
         self.response_tokens += other.response_tokens
         self.generated_tokens += other.generated_tokens
+        self.fork_dropped_pieces += other.fork_dropped_pieces
+        self.fork_dropped_tokens += other.fork_dropped_tokens
+        self.fork_dropped_generated_tokens += other.fork_dropped_generated_tokens
         self.pieces.extend(other.pieces)
 
 
@@ -113,15 +133,22 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
 
 
 def _token_path_samples(
-    record: TrajectoryRecord, status: str, group_index: int | None
+    record: TrajectoryRecord, status: str, group_index: int | None, fork_policy: str
 ) -> tuple[list[Any], BuildStats]:
     assert record.turns is not None
     result = build_token_pieces(record.turns)
     stats = BuildStats(records=1, forks=result.forks, token_path_records=1)
     texts = _assistant_texts(record.messages)
     aligned = len(texts) == len(record.turns)
+    kept = list(enumerate(result.pieces))
+    if fork_policy == "last" and len(kept) > 1:
+        for _, dropped in kept[:-1]:
+            stats.fork_dropped_pieces += 1
+            stats.fork_dropped_tokens += len(dropped.tokens)
+            stats.fork_dropped_generated_tokens += dropped.generated_tokens
+        kept = kept[-1:]
     samples = []
-    for k, piece in enumerate(result.pieces):
+    for k, piece in kept:
         fields = _base_fields(record, status, MASK_SOURCE_TOKENS, group_index)
         versions = [v for v in piece.weight_versions if v is not None]
         meta = fields["metadata"]
@@ -131,6 +158,8 @@ def _token_path_samples(
         if len(result.pieces) > 1:
             meta["fork"] = k
             meta["num_forks"] = result.forks
+            meta["fork_policy"] = fork_policy
+            meta["fork_dropped_pieces"] = len(result.pieces) - len(kept)
         piece_texts = texts[piece.first_turn:piece.last_turn + 1] if aligned else texts
         samples.append(
             make_sample(
@@ -153,17 +182,18 @@ def _message_path_samples(
     tokenizer_getter: TokenizerGetter,
     loss_mask_type: str,
     group_index: int | None,
+    verify: str | bool,
 ) -> tuple[list[Any], BuildStats]:
     stats = BuildStats(records=1, retokenized_records=1)
     fields = _base_fields(record, status, MASK_SOURCE_RETOKENIZED, group_index)
     if record.messages:
-        generator = MultiTurnLossMaskGenerator(tokenizer_getter(), loss_mask_type)
+        generator = cached_loss_mask_generator(loss_mask_type, tokenizer_getter(), verify)
         prompt_ids, response_ids, mask = generator.get_prompt_response(record.messages, record.tools)
         last = record.messages[-1]
         reason = record.finish_reason or record.extra_info.get("finish_reason")
-        if last.get("role") == "assistant" and reason in _CUT_OFF and mask:
+        if last.get("role") == "assistant" and reason in _CUT_OFF and 1 in mask:
             # the template closes every message, but a cut-off generation never sampled that end token
-            end = max(i for i, m in enumerate(mask) if m)
+            end = len(mask) - 1 - mask[::-1].index(1)
             if response_ids[end] == generator.end_token_id:
                 mask[end] = 0
                 fields["metadata"]["end_token_unmasked"] = True
@@ -190,16 +220,22 @@ def build_samples(
     loss_mask_type: str = "qwen",
     *,
     group_index: int | None = None,
+    fork_policy: str = "all",
+    verify: str | bool = "cheap",
 ) -> tuple[list[Any], BuildStats]:
-    """Samples of one record (more than one when its token history forks) and their counts.
+    """Samples of one record (more than one when its token history forks and `fork_policy` is "all")
+    and their counts.
 
     `tokenizer_getter()` is called only on the message path, so token-path records never load one.
+    `verify` is the message path's check of its tokens against the chat template ("cheap", "full",
+    "off"; see `slime_adapter.loss_mask`).
     """
+    _check_fork_policy(fork_policy)
     rec = record if isinstance(record, TrajectoryRecord) else TrajectoryRecord.model_validate(record)
     status = _status_text(rec)
     if rec.turns:
-        return _token_path_samples(rec, status, group_index)
-    return _message_path_samples(rec, status, tokenizer_getter, loss_mask_type, group_index)
+        return _token_path_samples(rec, status, group_index, fork_policy)
+    return _message_path_samples(rec, status, tokenizer_getter, loss_mask_type, group_index, verify)
 
 
 def build_group_samples(
@@ -208,12 +244,15 @@ def build_group_samples(
     loss_mask_type: str = "qwen",
     *,
     group_index: int | None = None,
+    fork_policy: str = "all",
+    verify: str | bool = "cheap",
 ) -> tuple[list[Any], BuildStats]:
-    """All samples of one group, record order kept (forks follow their record)."""
+    """All samples of one group, record order kept (forks follow their record, under `fork_policy`)."""
     samples: list[Any] = []
     total = BuildStats()
     for record in records:
-        built, stats = build_samples(record, tokenizer_getter, loss_mask_type, group_index=group_index)
+        built, stats = build_samples(record, tokenizer_getter, loss_mask_type, group_index=group_index,
+                                     fork_policy=fork_policy, verify=verify)
         samples.extend(built)
         total.merge(stats)
     return samples, total

@@ -10,12 +10,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "AgentRolloutSettings"]
+from slime_adapter.loss_mask import VERIFY_MODES as LOSS_MASK_VERIFY_MODES
+
+__all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "FORK_POLICIES", "LOSS_MASK_VERIFY_MODES", "AgentRolloutSettings"]
 
 DEFAULT_BUFFER_URL = "http://127.0.0.1:8889"
 # slime's own agent rollout sent 3 epochs when `--num-epoch` was unset; a single pass can starve a trainer
 # whose `num_rollout` needs more data than one pass, and the fetch loop would then wait for ever.
 DEFAULT_NUM_EPOCH = 3
+# what the trainer receives from a token-path record whose history forked (see `fork_policy`)
+FORK_POLICIES: tuple[str, ...] = ("last", "all")
+# how the message path checks its tokens against the chat template: LOSS_MASK_VERIFY_MODES, from loss_mask
 
 
 def _get(args: Any, name: str, default: Any) -> Any:
@@ -56,6 +61,17 @@ class AgentRolloutSettings:
     - `start_attempts` (`agent_start_rollout_attempts`): 8 tries of `/start_rollout`;
       `start_backoff_s` (`agent_start_rollout_backoff_s`): 1.0, doubled per try up to 30 s;
       `start_timeout_s` (`agent_start_rollout_timeout_s`): 30.0 per request.
+    - `fork_policy` (`agent_fork_policy`): "last". A token-path record whose later turn's prompt does not
+      extend its history forks into 2+ pieces. slime's `RolloutDataSourceWithBuffer.add_samples` asserts
+      every group has exactly `n_samples_per_prompt` samples and its reward normalisation reshapes by that
+      number, so by default only the last piece is kept: the one that ends with the final answer and
+      carries the reward. The dropped pieces and their tokens are logged as `rollout/fork_dropped_pieces`,
+      `rollout/fork_dropped_tokens` (prompt + response) and `rollout/fork_dropped_generated_tokens`.
+      "all" keeps every piece, for trainers that accept uneven groups. Dropping a whole record is not
+      offered: it would change the group's size just the same.
+    - `loss_mask_verify` (`agent_loss_mask_verify`): "cheap". How records without `turns` check their
+      re-rendered tokens: "cheap" invariants, "full" (a second `apply_chat_template(tokenize=True)`
+      compared token for token, twice the cost), or "off".
     """
 
     buffer_url: str = DEFAULT_BUFFER_URL
@@ -85,6 +101,8 @@ class AgentRolloutSettings:
     start_attempts: int = 8
     start_backoff_s: float = 1.0
     start_timeout_s: float = 30.0
+    fork_policy: str = "last"
+    loss_mask_verify: str = "cheap"
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -123,6 +141,8 @@ class AgentRolloutSettings:
             start_attempts=int(_get(args, "agent_start_rollout_attempts", 8)),
             start_backoff_s=float(_get(args, "agent_start_rollout_backoff_s", 1.0)),
             start_timeout_s=float(_get(args, "agent_start_rollout_timeout_s", 30.0)),
+            fork_policy=str(_get(args, "agent_fork_policy", "last")),
+            loss_mask_verify=str(_get(args, "agent_loss_mask_verify", "cheap")),
         )
         settings.check()
         return settings
@@ -139,6 +159,11 @@ class AgentRolloutSettings:
             raise ValueError(f"agent_start_rollout_attempts must be >= 1, got {self.start_attempts}")
         if self.fetch_timeout_s <= 0:
             raise ValueError(f"agent_fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        if self.fork_policy not in FORK_POLICIES:
+            raise ValueError(f"agent_fork_policy must be one of {FORK_POLICIES}, got {self.fork_policy!r}")
+        if self.loss_mask_verify not in LOSS_MASK_VERIFY_MODES:
+            raise ValueError(f"agent_loss_mask_verify must be one of {LOSS_MASK_VERIFY_MODES}, "
+                             f"got {self.loss_mask_verify!r}")
 
     @property
     def samples_per_step(self) -> int:

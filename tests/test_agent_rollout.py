@@ -18,7 +18,9 @@ import pytest
 from aiohttp import web
 
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+import slime_adapter.agent_rollout as agent_rollout
 from slime_adapter.agent_rollout import (
+    GroupSizeMismatchError,
     RolloutDataUnavailable,
     SampleBuildError,
     generate_rollout,
@@ -208,3 +210,130 @@ def test_http_errors_count_as_failed_fetches(tiny_server: Any, input_file: Path,
         generate_rollout(slime_args(url, input_file, fetch_trajectory_retry_times=1), 0, slime_data_buffer())
     assert len(legacy.read_bodies) == 2
     assert json.loads(json.dumps(legacy.read_bodies[0]))["wait_s"] == pytest.approx(4.0)
+
+
+class StrictDataBuffer:
+    """slime's `RolloutDataSourceWithBuffer.add_samples`: every group must have n_samples_per_prompt samples."""
+
+    def __init__(self, n_samples_per_prompt: int) -> None:
+        self.n = n_samples_per_prompt
+        self.buffer: list[list[Any]] = []
+        self.metadata: dict[str, Any] = {}
+
+    def get_metadata(self) -> dict[str, Any]:
+        return self.metadata
+
+    def update_metadata(self, metadata: dict[str, Any]) -> None:
+        self.metadata.update(metadata)
+
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        for group in samples:
+            assert len(group) == self.n, f"group of {len(group)} samples, n_samples_per_prompt is {self.n}"
+        self.buffer.extend(samples)
+
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        taken = self.buffer[:num_samples]
+        del self.buffer[:num_samples]
+        return taken
+
+    def get_buffer_length(self) -> int:
+        return len(self.buffer)
+
+
+def forked_record(tok: Any, instance_id: str, reward: float) -> dict[str, Any]:
+    """Two engine calls; the second prompt was re-rendered and does not extend the first call's history."""
+    record = token_record(tok, instance_id, reward)
+    first = record["turns"][0]
+    drifted = tok.encode(" " + tok.decode(first["prompt_ids"] + first["output_ids"]), add_special_tokens=False)
+    out = tok.encode("Final: 42", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    record["turns"] = [first, {"prompt_ids": drifted, "output_ids": out, "output_logprobs": [-0.25] * len(out),
+                               "finish_reason": "stop", "weight_version": "3"}]
+    return record
+
+
+@pytest.fixture()
+def logged_metrics(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The `rollout/` metrics each step logs."""
+    seen: list[dict[str, Any]] = []
+    real = agent_rollout.log_raw_info
+
+    def capture(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(agent_rollout, "log_raw_info", capture)
+    return seen
+
+
+def test_forked_record_keeps_the_group_size_slime_asserts(tiny_server: Any, input_file: Path, qwen_tokenizer: Any,
+                                                          logged_metrics: list[dict[str, Any]]) -> None:
+    tok = qwen_tokenizer
+    forked = forked_record(tok, "i0", 1.0)
+    group = [forked, token_record(tok, "i0", 0.0)]
+    url = tiny_server(LegacyBuffer([group, [token_record(tok, "i1", r) for r in (0.0, 1.0)]]).app())
+    buffer = StrictDataBuffer(n_samples_per_prompt=2)
+    groups = generate_rollout(slime_args(url, input_file), 0, buffer)  # default agent_fork_policy: "last"
+    assert [len(g) for g in groups] == [2, 2]
+    kept = groups[0][0]
+    assert kept.metadata["uid"] == forked["uid"] and kept.metadata["fork"] == 1 and kept.reward == 1.0
+    assert kept.tokens[-len(forked["turns"][1]["output_ids"]):] == forked["turns"][1]["output_ids"]
+    check_sample(kept)
+    first_piece = len(forked["turns"][0]["prompt_ids"]) + len(forked["turns"][0]["output_ids"])
+    (metrics,) = logged_metrics
+    assert metrics["rollout/forks"] == 1 and metrics["rollout/fork_dropped_pieces"] == 1
+    assert metrics["rollout/fork_dropped_tokens"] == first_piece
+    assert metrics["rollout/fork_dropped_generated_tokens"] == len(forked["turns"][0]["output_ids"])
+    assert metrics["rollout/group_size_mismatch"] == 0 and metrics["rollout/samples"] == 4
+
+
+def test_fork_policy_all_keeps_every_piece(tiny_server: Any, input_file: Path, qwen_tokenizer: Any,
+                                           slime_data_buffer: Any, logged_metrics: list[dict[str, Any]]) -> None:
+    tok = qwen_tokenizer
+    group = [forked_record(tok, "i0", 1.0), token_record(tok, "i0", 0.0)]
+    url = tiny_server(LegacyBuffer([group]).app())
+    args = slime_args(url, input_file, rollout_batch_size=1, agent_fork_policy="all")
+    (samples,) = generate_rollout(args, 0, slime_data_buffer())
+    assert len(samples) == 3 and [s.metadata.get("fork") for s in samples] == [0, 1, None]
+    (metrics,) = logged_metrics
+    assert metrics["rollout/group_size_mismatch"] == 1 and metrics["rollout/fork_dropped_pieces"] == 0
+
+
+class BigGroupBuffer(LegacyBuffer):
+    """Answers like the buffer does when `num` is smaller than its next ready group."""
+
+    def __init__(self, group_size: int) -> None:
+        super().__init__([])
+        self.group_size = group_size
+
+    async def read(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.read_bodies.append(body)
+        return web.json_response({
+            "success": False, "data": {"data": [], "meta_info": {}},
+            "message": f"num={body['num']} is smaller than the next ready group ({self.group_size} records); "
+                       "ask for at least one whole group"})
+
+
+def test_num_smaller_than_the_next_group_raises_at_once(tiny_server: Any, input_file: Path,
+                                                        slime_data_buffer: Any) -> None:
+    legacy = BigGroupBuffer(group_size=4)
+    url = tiny_server(legacy.app())
+    args = slime_args(url, input_file, rollout_batch_size=1, fetch_trajectory_retry_times=-1)
+    began = time.monotonic()
+    with pytest.raises(GroupSizeMismatchError, match=r"group has 4 samples.*num=2.*n_samples_per_prompt=2") as info:
+        generate_rollout(args, 0, slime_data_buffer())
+    assert time.monotonic() - began < 3.0 and len(legacy.read_bodies) == 1, "no polling until a retry limit"
+    assert (info.value.group_size, info.value.n_samples_per_prompt) == (4, 2)
+
+
+def test_real_buffer_with_larger_groups_than_the_trainer_expects(server: ServerProcess, input_file: Path,
+                                                                 slime_data_buffer: Any) -> None:
+    with httpx.Client(base_url=server.url, timeout=10) as client:  # the buffer's run groups 4 per prompt
+        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 4,
+                "run_id": "groups-of-4"}
+        assert client.post("/start_rollout", json=body).status_code == 200
+    write_all(server.url, "groups-of-4", [make_record("i0", reward=float(r)) for r in range(4)])
+    args = slime_args(server.url, input_file, agent_rollout_run_id="groups-of-4", rollout_batch_size=1,
+                      n_samples_per_prompt=2, fetch_trajectory_retry_times=-1)
+    with pytest.raises(GroupSizeMismatchError, match=r"group has 4 samples.*n_samples_per_prompt=2"):
+        generate_rollout(args, 0, slime_data_buffer())

@@ -72,6 +72,18 @@ def test_settings_defaults_and_url_precedence() -> None:
         AgentRolloutSettings.from_args(SimpleNamespace(rollout_batch_size=0))
 
 
+def test_settings_fork_policy_and_loss_mask_verify() -> None:
+    settings = AgentRolloutSettings.from_args(SimpleNamespace())
+    assert settings.fork_policy == "last", "slime asserts groups of exactly n_samples_per_prompt"
+    assert settings.loss_mask_verify == "cheap"
+    chosen = AgentRolloutSettings.from_args(SimpleNamespace(agent_fork_policy="all", agent_loss_mask_verify="full"))
+    assert (chosen.fork_policy, chosen.loss_mask_verify) == ("all", "full")
+    with pytest.raises(ValueError, match="agent_fork_policy"):
+        AgentRolloutSettings.from_args(SimpleNamespace(agent_fork_policy="drop"))
+    with pytest.raises(ValueError, match="agent_loss_mask_verify"):
+        AgentRolloutSettings.from_args(SimpleNamespace(agent_loss_mask_verify="sometimes"))
+
+
 def test_start_payload_is_slimes_and_skips_the_union_of_metadata(tmp_path: Path) -> None:
     args = slime_args("http://x:1", tmp_path / "in.jsonl", hf_checkpoint="/tok", rollout_max_response_len=64,
                       rollout_temperature=0.7, rollout_top_p=0.9, sglang_router_ip="h", sglang_router_port=9)

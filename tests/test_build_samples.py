@@ -133,3 +133,55 @@ def test_get_tokenizer_loads_once_per_path(qwen_tokenizer: Any) -> None:
     assert first.encode("What is 6*7?") == qwen_tokenizer.encode("What is 6*7?")
     with pytest.raises(ValueError):
         get_tokenizer("")
+
+
+def _forked_record(tok: Any) -> tuple[dict[str, Any], list[int], list[int]]:
+    """A token-path record whose second turn's prompt does not extend the first turn's history."""
+    record = _token_record(tok, "f", 1.0)
+    first = record["turns"][0]
+    drifted = tok.encode(" " + tok.decode(first["prompt_ids"]), add_special_tokens=False)
+    out = tok.encode("Done", add_special_tokens=False)
+    record["turns"] = [first, {"prompt_ids": drifted, "output_ids": out, "output_logprobs": [-1.0] * len(out)}]
+    return record, drifted, out
+
+
+def test_fork_policy_last_keeps_only_the_piece_with_the_answer(qwen_tokenizer: Any) -> None:
+    tok = qwen_tokenizer
+    record, drifted, out = _forked_record(tok)
+    everything, _ = build_samples(record, lambda: tok, "qwen", fork_policy="all")
+    (sample,), stats = build_samples(record, lambda: tok, "qwen", fork_policy="last")
+    assert sample.tokens == everything[1].tokens == drifted + out
+    assert sample.loss_mask == everything[1].loss_mask and sample.rollout_log_probs == [-1.0] * len(out)
+    assert sample.reward == 1.0 and sample.metadata["fork"] == 1 and sample.metadata["num_forks"] == 1
+    assert sample.metadata["fork_policy"] == "last" and sample.metadata["fork_dropped_pieces"] == 1
+    _check_invariants(sample)
+    dropped = everything[0]
+    assert stats.forks == 1 and stats.samples == 1 and stats.fork_dropped_pieces == 1
+    assert stats.fork_dropped_tokens == len(dropped.tokens)
+    assert stats.fork_dropped_generated_tokens == sum(dropped.loss_mask)
+    assert stats.response_tokens == sample.response_length, "counts cover what the trainer receives"
+
+
+def test_fork_policy_keeps_group_size_and_merges_counts(qwen_tokenizer: Any) -> None:
+    tok = qwen_tokenizer
+    forked, _, _ = _forked_record(tok)
+    records = [forked, _token_record(tok, "g-1", 0.0), _record("g-2", 0.5)]
+    samples, stats = build_group_samples(records, lambda: tok, "qwen", fork_policy="last")
+    assert [s.prompt for s in samples] == ["f", "g-1", "g-2"], "one sample per record"
+    assert stats.records == 3 and stats.samples == 3 and stats.forks == 1 and stats.fork_dropped_pieces == 1
+    samples, stats = build_group_samples(records, lambda: tok, "qwen", fork_policy="all")
+    assert [s.prompt for s in samples] == ["f", "f", "g-1", "g-2"]
+    assert stats.samples == 4 and stats.fork_dropped_pieces == 0 and stats.fork_dropped_tokens == 0
+    with pytest.raises(ValueError, match="fork_policy"):
+        build_samples(forked, lambda: tok, "qwen", fork_policy="drop")
+
+
+def test_message_path_full_verification_gives_the_same_sample(qwen_tokenizer: Any) -> None:
+    record = _record("v", 1.0)
+    (cheap,), _ = build_samples(record, lambda: qwen_tokenizer, "qwen")
+    (full,), _ = build_samples(record, lambda: qwen_tokenizer, "qwen", verify="full")
+    (off,), _ = build_samples(record, lambda: qwen_tokenizer, "qwen", verify="off")
+    assert cheap.tokens == full.tokens == off.tokens
+    assert cheap.loss_mask == full.loss_mask == off.loss_mask
+    with pytest.raises(ValueError, match="verify"):
+        build_samples(record, lambda: qwen_tokenizer, "qwen", verify="always")

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from slime_adapter.loss_mask import (
+    CharSpan,
     ChatMLSpanLocator,
     LossMaskError,
     MultiTurnLossMaskGenerator,
+    _cut_tokens,
+    _mask_from_offsets,
+    _token_ranges,
+    cached_loss_mask_generator,
     get_loss_mask_generator,
     loss_mask_types,
     register_loss_mask_type,
@@ -145,7 +152,7 @@ def test_qwen25_spans_equal_text_after_generation_prompt(qwen_tokenizer: Any, ca
     messages[:k] with the generation prompt, through its end token."""
     tok = qwen_tokenizer
     messages, tools = CORPUS[case]
-    gen = MultiTurnLossMaskGenerator(tok, "qwen")
+    gen = MultiTurnLossMaskGenerator(tok, "qwen", verify="full")
     ids, mask = gen.get_loss_mask(messages, tools)
     full = tok.apply_chat_template(messages, tools=tools, tokenize=False)
     expected = []
@@ -162,7 +169,7 @@ def test_single_turn_answer_is_fully_masked(qwen_tokenizer: Any) -> None:
     tok = qwen_tokenizer
     answer = "12*7 = 84, and Goethe wrote Faust."
     messages = [SYSTEM, USER, {"role": "assistant", "content": answer}]
-    gen = MultiTurnLossMaskGenerator(tok, "qwen")
+    gen = MultiTurnLossMaskGenerator(tok, "qwen", verify="full")
     prompt, response, mask = gen.get_prompt_response(messages)
     generated = tok.encode(answer, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
     assert response[: len(generated)] == generated
@@ -176,7 +183,7 @@ def test_multi_turn_tool_zeros_equal_scaffolding_between_assistants(qwen_tokeniz
     tok = qwen_tokenizer
     messages, tools = CORPUS["tools_consecutive_tool_messages"]
     messages = messages + [{"role": "user", "content": "Thanks! Any other works?"}, {"role": "assistant", "content": "Yes: Werther."}]
-    gen = MultiTurnLossMaskGenerator(tok, "qwen")
+    gen = MultiTurnLossMaskGenerator(tok, "qwen", verify="full")
     _, response, mask = gen.get_prompt_response(messages, tools)
     positions = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     expected_zeros = 0
@@ -195,7 +202,7 @@ def test_qwen3_mask_follows_rendered_reasoning(qwen3_tokenizer: Any) -> None:
     """Reasoning of turns before the last user query is not rendered, so it cannot be in the mask."""
     tok = qwen3_tokenizer
     messages, _ = CORPUS["reasoning"]
-    gen = MultiTurnLossMaskGenerator(tok, "qwen3")
+    gen = MultiTurnLossMaskGenerator(tok, "qwen3", verify="full")
     ids, mask = gen.get_loss_mask(messages)
     first, last = gen.get_text_from_loss_mask(ids, mask)
     assert "12*7 is 84" not in tok.decode(ids)
@@ -213,11 +220,11 @@ def test_distill_tool_call_after_tool_outputs_cannot_be_masked_exactly(r1_tokeni
         {"role": "assistant", "content": None, "tool_calls": [_call("search", query="Faust")]},
     ]
     with pytest.raises(LossMaskError, match="crosses the edge"):
-        MultiTurnLossMaskGenerator(r1_tokenizer, "distill_qwen").get_loss_mask(messages, TOOLS)
+        MultiTurnLossMaskGenerator(r1_tokenizer, "distill_qwen", verify="full").get_loss_mask(messages, TOOLS)
 
 
 def test_ambiguous_renderings_raise(qwen_tokenizer: Any) -> None:
-    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen")
+    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", verify="full")
     leading_newline = [USER, {"role": "assistant", "content": "\n84"}]  # "\n\n" merges with the header's "\n"
     with pytest.raises(LossMaskError, match="crosses the edge"):
         gen.get_loss_mask(leading_newline)
@@ -232,9 +239,10 @@ def test_registry_custom_type_and_unknown(qwen_tokenizer: Any) -> None:
 
     register_loss_mask_type("strict_chatml_test", StrictChatML)
     assert "strict_chatml_test" in loss_mask_types()
-    gen = get_loss_mask_generator("strict_chatml_test", qwen_tokenizer)
+    gen = get_loss_mask_generator("strict_chatml_test", qwen_tokenizer, verify="full")
     messages, _ = CORPUS["system_prompt"]
-    assert gen.get_loss_mask(messages) == MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen").get_loss_mask(messages)
+    reference = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", verify="full")
+    assert gen.get_loss_mask(messages) == reference.get_loss_mask(messages)
     with pytest.raises(ValueError, match="unknown loss mask type"):
         MultiTurnLossMaskGenerator(qwen_tokenizer, "no_such_type")
     with pytest.raises(TypeError):
@@ -244,8 +252,183 @@ def test_registry_custom_type_and_unknown(qwen_tokenizer: Any) -> None:
 def test_tool_call_arguments_render_inside_the_mask(qwen_tokenizer: Any) -> None:
     tok = qwen_tokenizer
     messages, tools = CORPUS["assistant_only_tool_calls"]
-    gen = MultiTurnLossMaskGenerator(tok, "qwen")
+    gen = MultiTurnLossMaskGenerator(tok, "qwen", verify="full")
     ids, mask = gen.get_loss_mask(messages, tools)
     first = gen.get_text_from_loss_mask(ids, mask)[0]
     call = messages[1]["tool_calls"][0]["function"]
     assert first == '<tool_call>\n{"name": "calc", "arguments": ' + json.dumps(call["arguments"]) + "}\n</tool_call><|im_end|>"
+
+
+# --- verify modes, the prompt cache, the cheap checks ------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture,kind", TEMPLATES)
+@pytest.mark.parametrize("case", sorted(CORPUS))
+def test_cheap_full_and_uncached_agree_with_the_chat_template(
+    request: pytest.FixtureRequest, fixture: str, kind: str, case: str
+) -> None:
+    tok = request.getfixturevalue(fixture)
+    messages, tools = CORPUS[case]
+    reference = _reference_ids(tok, messages, tools)
+    full = MultiTurnLossMaskGenerator(tok, kind, verify="full").get_loss_mask(messages, tools)
+    uncached = MultiTurnLossMaskGenerator(tok, kind, prompt_cache_size=0).get_loss_mask(messages, tools)
+    cached = MultiTurnLossMaskGenerator(tok, kind)
+    first = cached.get_loss_mask(messages, tools)
+    again = cached.get_loss_mask(messages, tools)  # the prompt now comes from the cache
+    assert full[0] == reference
+    assert full == uncached == first == again
+
+
+@pytest.mark.parametrize("fixture,kind", TEMPLATES)
+def test_a_group_sharing_its_prompt_tokenizes_the_prompt_once(
+    request: pytest.FixtureRequest, fixture: str, kind: str
+) -> None:
+    tok = request.getfixturevalue(fixture)
+    prompt = [SYSTEM, USER]
+    answers = ["84, and Goethe.", "It is 84; Faust is by Goethe.", "84 — Johann Wolfgang von Goethe."]
+    gen = MultiTurnLossMaskGenerator(tok, kind, verify="full")
+    for answer in answers:  # verify="full" compares every result with apply_chat_template
+        ids, mask = gen.get_loss_mask([*prompt, {"role": "assistant", "content": answer}])
+        assert answer in gen.get_text_from_loss_mask(ids, mask)[0]
+    assert len(gen._prompt_cache) == 1, "one prompt, tokenized once"
+    gen.clear_prompt_cache()
+    assert not gen._prompt_cache
+
+
+def test_prompt_cache_is_bounded_and_keeps_the_recent_prompts(qwen_tokenizer: Any) -> None:
+    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", prompt_cache_size=2)
+    for i in range(5):
+        gen.get_loss_mask([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "ok"}])
+    assert len(gen._prompt_cache) == 2
+    assert all("question 3" in p or "question 4" in p for p in gen._prompt_cache)
+
+
+def test_verify_modes() -> None:
+    tok = SimpleNamespace(convert_tokens_to_ids=lambda _: 0)
+    assert MultiTurnLossMaskGenerator(tok, "qwen").verify == "cheap"
+    assert MultiTurnLossMaskGenerator(tok, "qwen", verify=True).verify == "full", "True kept its old meaning"
+    assert MultiTurnLossMaskGenerator(tok, "qwen", verify=False).verify == "off"
+    with pytest.raises(ValueError, match="verify"):
+        MultiTurnLossMaskGenerator(tok, "qwen", verify="sometimes")
+
+
+def _corrupting(gen: MultiTurnLossMaskGenerator, change: Any) -> MultiTurnLossMaskGenerator:
+    """`gen` whose tokenization is altered by `change(ids)` (a bug the checks must catch)."""
+    real = gen._tokenize_with_prompt_cache
+
+    def tokenize(text: str, spans: Any) -> Any:
+        ids, starts, ends = real(text, spans)
+        return change(list(ids)), starts, ends
+
+    gen._tokenize_with_prompt_cache = tokenize  # type: ignore[method-assign]
+    return gen
+
+
+def test_cheap_check_catches_ids_that_do_not_spell_the_span(qwen_tokenizer: Any) -> None:
+    tok = qwen_tokenizer
+    messages = [SYSTEM, USER, {"role": "assistant", "content": "84; Goethe."}]
+    clean, mask = MultiTurnLossMaskGenerator(tok, "qwen").get_loss_mask(messages)
+    first = mask.index(1)
+    other = tok.encode(" Schiller", add_special_tokens=False)[0]
+    assert clean[first] != other
+    swap = lambda ids: [*ids[:first], other, *ids[first + 1:]]  # noqa: E731  (a wrong id inside the span)
+    with pytest.raises(LossMaskError, match="decode to"):
+        _corrupting(MultiTurnLossMaskGenerator(tok, "qwen"), swap).get_loss_mask(messages)
+    ids, _ = _corrupting(MultiTurnLossMaskGenerator(tok, "qwen", verify="off"), swap).get_loss_mask(messages)
+    assert ids[first] == other, "verify='off' checks nothing beyond the span edges"
+
+
+def test_cheap_check_catches_a_control_token_that_is_not_one_id(qwen_tokenizer: Any) -> None:
+    tok = qwen_tokenizer
+    start_id = tok.convert_tokens_to_ids("<|im_start|>")
+    newline = tok.encode("\n", add_special_tokens=False)[0]
+    messages = [SYSTEM, USER, {"role": "assistant", "content": "84; Goethe."}]
+    first_start_as_text = lambda ids: [newline] + ids[1:]  # noqa: E731  (same length, offsets unchanged)
+    with pytest.raises(LossMaskError, match="<\\|im_start\\|>.*occurs 3 time"):
+        _corrupting(MultiTurnLossMaskGenerator(tok, "qwen"), first_start_as_text).get_loss_mask(messages)
+    assert start_id != newline
+
+
+def test_split_special_tokens_is_refused_by_the_cheap_check(qwen_tokenizer: Any) -> None:
+    """A tokenizer that spells control tokens as text (as its apply_chat_template then does too) gives ids
+    the model never generates as one token: refused, by the span edges or by the control-token count."""
+    tok = copy.deepcopy(qwen_tokenizer)
+    tok.split_special_tokens = True
+    messages = [USER, {"role": "assistant", "content": "84."}]
+    with pytest.raises(LossMaskError, match="crosses the edge|occurs"):
+        MultiTurnLossMaskGenerator(tok, "qwen").get_loss_mask(messages)
+    gen = MultiTurnLossMaskGenerator(tok, "qwen")
+    assert gen._prompt_cut(gen.render(messages), 10) == 0, "no prompt cache when special tokens are text"
+
+
+def test_backend_in_another_state_goes_through_the_tokenizer_call(qwen_tokenizer: Any) -> None:
+    """Padding left enabled on the Rust backend: the direct route would pad, so the generator uses
+    transformers' own call, which (as apply_chat_template's does) resets it first."""
+    tok = copy.deepcopy(qwen_tokenizer)
+    tok.backend_tokenizer.enable_padding(length=4096, pad_id=tok.pad_token_id or 0)
+    messages, tools = CORPUS["tools_consecutive_tool_messages"]
+    gen = MultiTurnLossMaskGenerator(tok, "qwen")
+    assert not gen._backend_matches_call()
+    ids, _ = gen.get_loss_mask(messages, tools)
+    assert tok.backend_tokenizer.padding is None and gen._backend_matches_call()
+    assert ids == _reference_ids(qwen_tokenizer, messages, tools)
+
+
+def test_cut_tokens_exclude_tokens_that_strip_or_hide_inside_others() -> None:
+    def added(content: str, **flags: bool) -> SimpleNamespace:
+        return SimpleNamespace(content=content, lstrip=flags.get("lstrip", False), rstrip=flags.get("rstrip", False),
+                               normalized=flags.get("normalized", False), single_word=False)
+
+    tok = SimpleNamespace(added_tokens_decoder={
+        1: added("<a>"), 2: added("<b>", rstrip=True), 3: added("<c>"), 4: added("x<c>y"), 5: added("<d>", lstrip=True),
+        6: added("<e>", normalized=True),
+    })
+    assert _cut_tokens(tok, [("<a>", 1), ("<b>", 2), ("<c>", 3), ("<d>", 5), ("<e>", 6)]) == ("<a>",)
+    assert _cut_tokens(SimpleNamespace(), [("<a>", 1)]) == ()
+
+
+@pytest.mark.parametrize("case", sorted(CORPUS))
+def test_bisected_ranges_equal_the_token_by_token_mapping(qwen_tokenizer: Any, case: str) -> None:
+    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen")
+    messages, tools = CORPUS[case]
+    text, spans = gen.get_text_and_spans(messages, tools)
+    _, offsets = gen.tokenize(text)
+    mask, ranges = _mask_from_offsets(offsets, spans)
+    assert _token_ranges([o[0] for o in offsets], [o[1] for o in offsets], spans) == ranges
+    assert [i for i, m in enumerate(mask) if m] == [i for a, b in ranges for i in range(a, b)]
+
+
+def test_bisected_ranges_raise_like_the_token_by_token_mapping() -> None:
+    offsets = [(0, 2), (2, 5), (5, 7), (7, 9)]
+    for spans, match in [([CharSpan(3, 7)], "crosses the edge"), ([CharSpan(2, 6)], "crosses the edge"),
+                         ([CharSpan(9, 9)], "not covered")]:
+        with pytest.raises(LossMaskError, match=match):
+            _mask_from_offsets(offsets, spans)
+        with pytest.raises(LossMaskError, match=match):
+            _token_ranges([o[0] for o in offsets], [o[1] for o in offsets], spans)
+
+
+def test_overlapping_offsets_fall_back_to_the_token_by_token_mapping(qwen_tokenizer: Any) -> None:
+    """Byte-level pieces of one character share its offsets; offsets that are not monotone at all
+    take the general mapping."""
+    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", verify="full")
+    messages, _ = CORPUS["unicode"]
+    expected = gen.get_loss_mask(messages)
+    real = gen._tokenize_with_prompt_cache
+
+    def unsorted(text: str, spans: Any) -> Any:
+        ids, starts, ends = real(text, spans)
+        return ids, [starts[1], starts[0], *starts[2:]], [ends[1], ends[0], *ends[2:]]
+
+    gen._tokenize_with_prompt_cache = unsorted  # type: ignore[method-assign]
+    assert gen.get_loss_mask(messages) == expected
+
+
+def test_cached_generator_is_one_per_tokenizer_type_and_mode(qwen_tokenizer: Any, qwen3_tokenizer: Any) -> None:
+    first = cached_loss_mask_generator("qwen", qwen_tokenizer)
+    assert cached_loss_mask_generator("qwen", qwen_tokenizer, "cheap") is first
+    assert cached_loss_mask_generator("qwen", qwen_tokenizer, "full") is not first
+    assert cached_loss_mask_generator("qwen", qwen3_tokenizer) is not first
+    assert cached_loss_mask_generator("qwen", qwen_tokenizer, True).verify == "full"
+    with pytest.raises(ValueError, match="unknown loss mask type"):
+        cached_loss_mask_generator("no_such_type", qwen_tokenizer)
