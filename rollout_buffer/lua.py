@@ -115,7 +115,8 @@ redis.call('HINCRBY', KEYS[4], 'groups_handed', #groups)
 redis.call('HINCRBY', KEYS[4], 'samples_handed', taken)
 local since = redis.call('HGETALL', KEYS[5])
 local num_groups = redis.call('SCARD', KEYS[6])
-redis.call('DEL', KEYS[5], KEYS[6])
+-- UNLINK: the since-groups set may hold a whole backlog's group keys; free it off the main thread
+redis.call('UNLINK', KEYS[5], KEYS[6])
 local timed_out = redis.call('LRANGE', KEYS[7], 0, -1)
 redis.call('DEL', KEYS[7])
 local out = {since, num_groups, timed_out}

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 import httpx
