@@ -1,6 +1,7 @@
 """Ingest: `/buffer/write` records/s with realistic records and 64 concurrent clients, against a no-op
-endpoint on the same server stack that only parses the same body; and `/buffer/write_batch` against
-single writes. All measured in one run against one real server on the embedded Redis (AOF on)."""
+endpoint on the same server stack that only parses the same body; and the batched writes
+(`/buffer/write_packed`, records in the store's packed form; `/buffer/write_batch`, JSON) against single
+writes. All measured in one run against one real server on the embedded Redis (AOF on)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import aiohttp
 import orjson
 
 from bench.records import realistic_record
+from rollout_buffer.packed_batch import CONTENT_TYPE, encode_batch
 
 CLIENTS = 64
 
@@ -29,10 +31,10 @@ def _bodies(count: int, run_id: str, tag: str) -> list[bytes]:
             for i in range(count)]
 
 
-async def _drive(url: str, bodies: list[bytes], clients: int = CLIENTS) -> float:
+async def _drive(url: str, bodies: list[bytes], clients: int = CLIENTS, content_type: str = "application/json") -> float:
     """Posts every body with `clients` concurrent connections; returns bodies per second."""
     queue = list(reversed(bodies))
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": content_type}
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         async def client() -> None:
@@ -46,6 +48,14 @@ async def _drive(url: str, bodies: list[bytes], clients: int = CLIENTS) -> float
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         return len(bodies) / (time.perf_counter() - started)
+
+
+def _packed_batches(count: int, size: int, run_id: str) -> list[bytes]:
+    """`/buffer/write_packed` bodies of the same records (packed before timing, as JSON bodies are)."""
+    template = realistic_record("INSTANCE", "UID", seed=1)
+    records = [{**template, "uid": f"packed-{i}", "instance_id": f"packed-g{i // 8}", "run_id": run_id}
+               for i in range(count)]
+    return [encode_batch(records[i:i + size]) for i in range(0, count, size)]
 
 
 def _batches(bodies: list[bytes], size: int, run_id: str) -> list[bytes]:
@@ -62,17 +72,22 @@ async def _run_async(base: str, input_file: Path, count: int, batch_size: int) -
     await _drive(f"{base}/_bench/parse_only", _bodies(64, run_id, "warm"))  # warm-up, not timed
     noop = await _drive(f"{base}/_bench/parse_only", _bodies(count, run_id, "noop"))
     single = await _drive(f"{base}/buffer/write", _bodies(count, run_id, "single"))
-    batched_records = _bodies(count, run_id, "batch")
-    batch_rate = await _drive(f"{base}/buffer/write_batch", _batches(batched_records, batch_size, run_id),
-                              clients=min(CLIENTS, max(count // batch_size, 1)))
+    batch_clients = min(CLIENTS, max(count // batch_size, 1))
+    json_batch_rate = await _drive(f"{base}/buffer/write_batch",
+                                   _batches(_bodies(count, run_id, "jbatch"), batch_size, run_id), clients=batch_clients)
+    packed_rate = await _drive(f"{base}/buffer/write_packed?run_id={run_id}",
+                               _packed_batches(count, batch_size, run_id), clients=batch_clients,
+                               content_type=CONTENT_TYPE)
     return {
         "records": count,
         "noop_records_per_s": noop,
         "write_records_per_s": single,
         "ratio": single / noop,
         "batch_size": batch_size,
-        "batch_records_per_s": batch_rate * batch_size,
-        "batch_ratio": batch_rate * batch_size / single,
+        "batch_records_per_s": packed_rate * batch_size,
+        "batch_ratio": packed_rate * batch_size / single,
+        "json_batch_records_per_s": json_batch_rate * batch_size,
+        "json_batch_ratio": json_batch_rate * batch_size / single,
     }
 
 
@@ -95,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     r = run(parser.parse_args(argv).quick)
     print(f"ingest: write {r['write_records_per_s']:.0f} rec/s vs parse-only {r['noop_records_per_s']:.0f} rec/s "
           f"-> {r['ratio']:.2f}x (target >= 0.7)")
-    print(f"batch ingest ({r['batch_size']}/request): {r['batch_records_per_s']:.0f} rec/s vs single "
-          f"{r['write_records_per_s']:.0f} rec/s -> {r['batch_ratio']:.2f}x (target >= 5)")
+    print(f"batch ingest, packed ({r['batch_size']}/request): {r['batch_records_per_s']:.0f} rec/s vs single "
+          f"{r['write_records_per_s']:.0f} rec/s -> {r['batch_ratio']:.2f}x (target >= 5); JSON batch "
+          f"{r['json_batch_records_per_s']:.0f} rec/s -> {r['json_batch_ratio']:.2f}x")
     return 0
 
 

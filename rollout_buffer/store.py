@@ -16,7 +16,6 @@ import redis.asyncio as aioredis
 from rollout_buffer import keys, lua
 from rollout_buffer.packing import pack_record, unpack_record
 
-
 SOCKET_TIMEOUT_S = 30.0
 POOL_WAIT_S = 30.0
 BLOCKING_SLICE_S = 5.0
@@ -146,8 +145,11 @@ class Store:
 
     # ----- writes -----------------------------------------------------------------------------
 
-    def _write_call(self, run_id: str, record: dict[str, Any]) -> tuple[list[str], list[Any]]:
-        record = {**record, "run_id": run_id}
+    def _write_call(self, run_id: str, record: dict[str, Any], blob: bytes | None = None
+                    ) -> tuple[list[str], list[Any]]:
+        """Keys and args of one WRITE_RECORD call; `blob` is the record already packed, if it is."""
+        if blob is None:
+            blob = pack_record({**record, "run_id": run_id})
         epoch = record.get("epoch")
         write_keys = [
             keys.records(run_id), keys.pending(run_id), keys.ready(run_id), keys.stats(run_id),
@@ -155,7 +157,7 @@ class Store:
             keys.run_meta(run_id), keys.since_groups(run_id),
         ]
         args = [
-            record["uid"], pack_record(record), keys.group_prefix(run_id), record["instance_id"],
+            record["uid"], blob, keys.group_prefix(run_id), record["instance_id"],
             -1 if epoch is None else int(epoch), time.time(), repr(float(record["reward"])),
             record.get("status") or "completed",
         ]
@@ -173,11 +175,15 @@ class Store:
         write_keys, args = self._write_call(run_id, record)
         return self._outcome(await self._write(keys=write_keys, args=args))
 
-    async def write_records(self, run_id: str, records: list[dict[str, Any]]) -> list[WriteOutcome]:
-        """Many writes in one round trip (a pipeline of the same atomic script), outcomes in order."""
+    async def write_records(self, run_id: str, records: list[dict[str, Any]],
+                            blobs: list[bytes] | None = None) -> list[WriteOutcome]:
+        """Many writes in one round trip (a pipeline of the same atomic script), outcomes in order.
+        With `blobs`, the records come already packed (with this run_id) and `records` carry only the
+        fields the script needs (uid, instance_id, epoch, reward, status)."""
         if not records:
             return []
-        calls = [self._write_call(run_id, record) for record in records]
+        calls = [self._write_call(run_id, record, None if blobs is None else blobs[i])
+                 for i, record in enumerate(records)]
         async with self.redis.pipeline(transaction=False) as pipe:
             for write_keys, args in calls:
                 await self._write(keys=write_keys, args=args, client=pipe)

@@ -248,3 +248,57 @@ def test_tasks_docs_and_metrics_are_served(client: httpx.Client, input_file: Pat
     metrics = client.get("/metrics").text
     assert "rollout_buffer_writes" in metrics
     assert f'rollout_buffer_run{{run_id="{run_id}",stat="records_written"}} 1.0' in metrics
+
+
+def _turns_record(instance_id: str, uid: str, run_id: str, logprob: float = -0.5) -> dict:
+    record = make_record(instance_id, uid=uid, run_id=run_id)
+    record["turns"] = [
+        {"prompt_ids": [1, 2, 3], "output_ids": [4, 5], "output_logprobs": [logprob, -1.25],
+         "finish_reason": "stop", "weight_version": "3"},
+        {"prompt_ids": [1, 2, 3, 4, 5, 9, 9], "output_ids": [6], "output_logprobs": [-0.1],
+         "finish_reason": "stop", "weight_version": "3"},
+    ]
+    return record
+
+
+def test_json_batch_write_is_all_or_nothing(client: httpx.Client, input_file: Path) -> None:
+    run_id = new_run(client, input_file, repeats=2)
+    records = [_turns_record(f"i{i // 2}", f"b{i}", run_id) for i in range(4)]
+    bad = {**records[3], "reward": "lots"}
+    refused = client.post("/buffer/write_batch", json={"run_id": run_id, "records": records[:3] + [bad]})
+    assert refused.status_code == 422 and "records.3.reward" in refused.json()["message"]
+    assert run_stats(client, run_id)["records"]["written"] == 0
+    answer = client.post("/buffer/write_batch", json={"run_id": run_id, "records": records + records[:1]}).json()
+    assert [r["outcome"] for r in answer["data"]["results"]] == ["stored", "completed", "stored", "completed",
+                                                                 "duplicate"]
+    data = read(client, run_id)["data"]["data"]
+    assert sorted(r["uid"] for r in data) == ["b0", "b1", "b2", "b3"]
+    assert next(r for r in data if r["uid"] == "b0")["turns"] == records[0]["turns"]
+
+
+def test_packed_batch_round_trips_exactly_and_refuses_bad_records(client: httpx.Client, input_file: Path) -> None:
+    from rollout_buffer.packed_batch import CONTENT_TYPE, encode_batch
+
+    run_id = new_run(client, input_file, repeats=2)
+    # a logprob that is not a float32 value is kept bit-exact (stored as float64)
+    records = [_turns_record(f"i{i // 2}", f"p{i}", run_id, logprob=-0.1 * (i + 1)) for i in range(4)]
+    headers = {"content-type": CONTENT_TYPE}
+    bad_cases = [
+        (encode_batch(records[:1]) + b"\x05\x00\x00\x00RB1", "record 1"),
+        (encode_batch([{**records[0], "reward": float("nan")}]), "reward"),  # orjson writes NaN as null
+        (encode_batch([{**records[0], "turns": [{**records[0]["turns"][0], "output_ids": [-4, 5]}]}]), "negative"),
+        (encode_batch([{**records[0], "turns": [{**records[0]["turns"][0], "output_logprobs": [float("nan"), 0.0]}]}]),
+         "finite"),
+        (encode_batch([{k: v for k, v in records[0].items() if k != "instance_id"}]), "instance_id"),
+        (b"", "empty batch"),
+    ]
+    for body, needle in bad_cases:
+        response = client.post(f"/buffer/write_packed?run_id={run_id}", content=body, headers=headers)
+        assert response.status_code == 422 and needle in response.json()["message"], response.text
+    assert run_stats(client, run_id)["records"]["written"] == 0, "a refused batch stores nothing"
+    answer = client.post(f"/buffer/write_packed?run_id={run_id}", content=encode_batch(records), headers=headers)
+    assert answer.status_code == 200 and answer.json()["data"]["completed"] == 2, answer.text
+    data = {r["uid"]: r for r in read(client, run_id)["data"]["data"]}
+    for record in records:
+        assert data[record["uid"]]["turns"] == record["turns"]
+        assert data[record["uid"]]["messages"] == record["messages"] and data[record["uid"]]["run_id"] == run_id
