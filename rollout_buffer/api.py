@@ -169,7 +169,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         if not body.remote_buffer_url:  # legacy task modules write back to us; tell them where
             body.remote_buffer_url = str(request.base_url).rstrip("/")
         try:
-            spec = await start_run(state.store, state.registry, body)
+            spec = await start_run(state.store, state.registry, body, state.runtime)
             await state.runtime.launch(spec)
         except StartRolloutError as exc:
             return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])

@@ -1,9 +1,16 @@
 """Run lifecycle: turning a `/start_rollout` body into a stored run and handing it to the runtime.
 
 A run's id is derived from the settings that define its data (task, input file, epochs, repeats,
-sampling), so the trainer re-sending the same `/start_rollout` after a crash lands on the same run: it
-starts nothing new, and the instance ids already handed over are skipped without being told. Pass
-`run_id` explicitly to start a separate run with the same settings.
+sampling), so the same `/start_rollout` sent again lands on the same run:
+
+* without `skip_instance_ids` (the buffer restarted, or the trainer has no checkpoint metadata) it
+  resumes: nothing new starts, and the instance ids already handed over are skipped without being told;
+* with `skip_instance_ids` (the trainer resumed from a checkpoint), those ids are the truth about what
+  was trained. If the buffer handed over groups the checkpoint does not contain, they were lost with the
+  trainer, so the run is superseded by a new generation (`<id>.r<n>`) that rolls out everything except
+  exactly the trained ids. Nothing handed over but untrained is ever silently dropped.
+
+Pass `run_id` explicitly to start a separate run with the same settings.
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ class RunSpec:
 class Runtime(Protocol):
     """Runs the rollouts of a run. `launch` must be idempotent: a run launched again resumes."""
 
+    async def check(self, request: StartRolloutRequest, task: TaskModule) -> None:
+        """Raise StartRolloutError for a request that cannot run; called before anything is stored."""
+        ...
+
     async def launch(self, spec: RunSpec) -> None: ...
 
     async def shutdown(self) -> None: ...
@@ -59,6 +70,9 @@ class Runtime(Protocol):
 
 class NoRuntime:
     """Runs nothing: the run's records come from `/buffer/write` callers."""
+
+    async def check(self, request: StartRolloutRequest, task: TaskModule) -> None:
+        return None
 
     async def launch(self, spec: RunSpec) -> None:
         return None
@@ -93,10 +107,33 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry) -> Task
     return task
 
 
-async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutRequest) -> RunSpec:
-    """Create (or find) the run, record skip ids, make it the active run. Launching is the caller's."""
+async def _current_generation(store: Store, run_id: str) -> tuple[str, int]:
+    """Follow `superseded_by` links to the run's newest generation; returns (id, generation number)."""
+    generation = 0
+    for _ in range(10_000):
+        successor = (await store.run_meta(run_id)).get("superseded_by")
+        if not successor:
+            return run_id, generation
+        run_id, generation = successor, generation + 1
+    raise RuntimeError(f"run {run_id}: superseded_by links form a cycle")
+
+
+async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutRequest,
+                    runtime: Runtime | None = None) -> RunSpec:
+    """Create (or find) the run, record skip ids, make it the active run. Launching is the caller's.
+    Everything that can refuse the request runs before anything is stored."""
     task = validate_start(request, registry)
-    run_id = request.run_id or derive_run_id(request)
+    if runtime is not None:
+        await runtime.check(request, task)
+    base_id = request.run_id or derive_run_id(request)
+    run_id, generation = await _current_generation(store, base_id)
+    if request.skip_instance_ids and await store.run_exists(run_id):
+        untrained = await store.handed_ids(run_id) - set(request.skip_instance_ids)
+        if untrained:
+            successor = f"{base_id}.r{generation + 1}"
+            await store.supersede(run_id, successor, reason=f"{len(untrained)} handed-over instance id(s) "
+                                                             "missing from the trainer's skip_instance_ids")
+            run_id = successor
     config: dict[str, Any] = request.model_dump()
     config["run_id"] = run_id
     created = await store.create_run(

@@ -136,6 +136,15 @@ class Store:
         members = await self.redis.sunion([keys.skip(run_id), keys.handed(run_id)])
         return {_text(x) or "" for x in members}
 
+    async def handed_ids(self, run_id: str) -> set[str]:
+        return {_text(x) or "" for x in await self.redis.smembers(keys.handed(run_id))}
+
+    async def supersede(self, run_id: str, successor: str, reason: str) -> None:
+        """Retire a run in favour of a new generation: its workers stop, readers follow the link."""
+        await self.redis.hset(keys.run_meta(run_id), mapping={
+            "status": "superseded", "superseded_by": successor, "superseded_reason": reason,
+            "superseded_at": time.time()})
+
     async def incr_stat(self, run_id: str, name: str, amount: int = 1) -> None:
         await self.redis.hincrby(keys.stats(run_id), name, amount)
 

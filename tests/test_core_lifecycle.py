@@ -179,3 +179,21 @@ def test_task_discovery_reports_broken_modules_and_refuses_duplicates(tmp_path: 
                           text=True, timeout=60)
     assert proc.returncode != 0
     assert "again_generator.py" in proc.stderr and "fine_generator.py" in proc.stderr
+
+
+def test_a_start_refused_by_the_runtime_stores_no_run(tmp_path: Path) -> None:
+    from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instance_id": "a", "prompt": "1+1?"}\n{"prompt": oops}\n')
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"instance_id": "a", "prompt": "x"}, {"instance_id": "a", "prompt": "y"}])
+    with ServerProcess(tmp_path / "data") as server:
+        client = httpx.Client(base_url=server.url, timeout=60)
+        base = {"task_type": "math", "num_repeat_per_sample": 2, "remote_engine_url": "http://127.0.0.1:9",
+                "tokenizer_path": str(qwen_tokenizer_dir("qwen2.5"))}
+        for body, needle in (({**base, "input_file": str(bad)}, "line 2"),
+                             ({**base, "input_file": str(dup)}, "duplicate"),
+                             ({**base, "input_file": str(dup), "remote_engine_url": ""}, "remote_engine_url")):
+            response = client.post("/start_rollout", json=body)
+            assert response.status_code == 400 and needle in response.json()["message"], response.text
+        assert client.get("/runs").json() == {"runs": [], "active_run": None}

@@ -20,9 +20,10 @@ from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.runtime.tokenizers import get_tokenizer
 from rollout_buffer.runtime.worker import WorkerPool, publish_run
+from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
-from rollout_buffer.tasks import TaskRegistry
+from rollout_buffer.tasks import TaskModule, TaskRegistry
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,22 @@ class RolloutRuntime:
         """Start the in-process workers (they resume every running run they find)."""
         if self.pool is not None:
             self.pool.start()
+
+    async def check(self, request: StartRolloutRequest, task: TaskModule) -> None:
+        """Everything that can refuse a run, before the run is stored: options, tokenizer, input file."""
+        if task.kind == "legacy":
+            if not request.remote_buffer_url:
+                raise StartRolloutError("remote_buffer_url", "a legacy task module needs the buffer's URL to write to")
+            return
+        options = RunOptions.from_request(request, rollout_timeout_s=self.settings.rollout_timeout_s)
+        options.check_launchable("native")
+        if options.engine_api == "generate" and options.tokenizer_path:
+            try:
+                await get_tokenizer(options.tokenizer_path)
+            except Exception as exc:
+                raise StartRolloutError("tokenizer_path", f"cannot load a tokenizer with a chat template "
+                                                          f"from {options.tokenizer_path!r}: {exc}") from exc
+        await asyncio.to_thread(read_samples, request.input_file)
 
     async def launch(self, spec: RunSpec) -> None:
         """Start or resume a run; raises StartRolloutError (nothing enqueued) for an unusable one."""
