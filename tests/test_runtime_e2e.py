@@ -158,9 +158,8 @@ def test_bad_input_files_are_refused_naming_the_line_and_enqueue_nothing(client:
     response = start(broken, "bad-json")
     assert response.status_code == 400 and "line 3" in response.text and "input_file" in response.text
     for run_id in ("bad-dup", "bad-json"):
-        detail = run_detail(client, run_id)
-        assert detail["meta"]["status"] == "rejected"
-        assert detail["tasks"]["queued"] == 0
+        assert client.get(f"/runs/{run_id}").status_code == 404, "a refused start stores no run"
+        assert run_id not in client.get("/runs").json()["runs"]
     fine = write_rows(tmp_path, arithmetic_rows(2), "fine.jsonl")
     response = start(fine, "no-engine", remote_engine_url="")
     assert response.status_code == 400 and "remote_engine_url" in response.text
