@@ -63,47 +63,27 @@ class RolloutRuntime:
         await asyncio.to_thread(read_samples, request.input_file)
 
     async def launch(self, spec: RunSpec) -> None:
-        """Start or resume a run; raises StartRolloutError (nothing enqueued) for an unusable one."""
+        """Start or resume a run that `check` accepted (the API checks before it stores the run)."""
         self.start()
-        try:
-            if spec.task.kind == "legacy":
-                await self._launch_legacy(spec)
-            else:
-                await self._launch_native(spec)
-        except StartRolloutError:
-            if spec.created:
-                await self.store.set_run_status(spec.run_id, "rejected")
-            raise
+        if spec.task.kind == "legacy":
+            await self._launch_legacy(spec)
+        else:
+            await self._launch_native(spec)
 
     async def _launch_legacy(self, spec: RunSpec) -> None:
-        meta = await self.store.run_meta(spec.run_id)
-        if meta.get("status") not in ("running", "rejected"):
-            return  # finished or failed: re-sending /start_rollout does not roll it out again
-        if not spec.request.remote_buffer_url:
-            raise StartRolloutError("remote_buffer_url", "a legacy task module needs the buffer's URL to write to")
+        if (await self.store.run_meta(spec.run_id)).get("status") != "running":
+            return  # finished, failed or superseded: re-sending /start_rollout does not roll it out again
         if self.legacy.launch(spec):
-            await self.store.set_run_status(spec.run_id, "running")
             log.info("run %s: legacy task %s started in a thread", spec.run_id, spec.task.task_type)
 
     async def _launch_native(self, spec: RunSpec) -> None:
-        options = RunOptions.from_request(spec.request, rollout_timeout_s=self.settings.rollout_timeout_s)
-        options.check_launchable("native")
         queue = TaskQueue(self.store.redis, spec.run_id)
         async with self._lock:  # one enqueuer per process; the Lua script makes several processes safe too
             if not await queue.enqueue_done():
-                if options.engine_api == "generate" and options.tokenizer_path:
-                    try:
-                        await get_tokenizer(options.tokenizer_path)
-                    except Exception as exc:
-                        raise StartRolloutError("tokenizer_path", f"cannot load a tokenizer with a chat template "
-                                                                  f"from {options.tokenizer_path!r}: {exc}") from exc
                 samples = await asyncio.to_thread(read_samples, spec.request.input_file)
                 added = await queue.enqueue(samples, num_epoch=spec.request.num_epoch,
                                             repeats=spec.request.num_repeat_per_sample, excluded=spec.excluded_ids)
                 log.info("run %s: enqueued %d task(s) for %d line(s)", spec.run_id, added, len(samples))
-            meta = await self.store.run_meta(spec.run_id)
-            if meta.get("status") == "rejected":
-                await self.store.set_run_status(spec.run_id, "running")
         await publish_run(self.store, spec.run_id)
         if self.pool is not None:
             self.pool.watch(spec.run_id)
