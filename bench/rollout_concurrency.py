@@ -3,6 +3,12 @@ latency (0.5 s). The ideal engine call rate is concurrency / latency; the benchm
 rate, the ratio to the ideal, the engine's peak in-flight count, the worker's peak RSS, and the CPU time per
 engine call of each process (worker, test engine, server, Redis), which bounds the rate on a small machine.
 
+Two bounds explain a shortfall by numbers. All processes share the machine's cores: the run takes at least
+engine calls x (total CPU per call) / cores. And the worker is one process, on one core, doing every call's
+client work: all rollouts start together, so sending the first turn of all of them takes concurrency x
+(worker CPU per call), the last rollout starts that much late, and the run takes at least that stagger plus
+turns x latency.
+
 Processes: the test engine, a `rollout-buffer serve --workers 0` (embedded Redis), and one
 `rollout-buffer worker` (the measured one). A one-rollout warm-up run loads the tokenizer first, so the
 timed run measures rollouts, not start-up.
@@ -136,7 +142,7 @@ def run(quick: bool = False, *, rollouts: int | None = None, concurrency: int | 
                 seconds = _run_and_wait(client, {**body, "input_file": str(work / "input.jsonl"),
                                                  "num_process": concurrency, "run_id": "bench"}, rollouts, 600)
                 cpu = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
-                peak_rss_mib = _proc_status(worker.pid, "VmHWM") / 1024
+                peak_rss_kib = _proc_status(worker.pid, "VmHWM")
             stats = httpx.get(f"{engine_url}/_test/stats").json()
         finally:
             for proc in (worker, server, engine):
@@ -145,14 +151,26 @@ def run(quick: bool = False, *, rollouts: int | None = None, concurrency: int | 
     calls = stats["requests"]
     achieved = calls / seconds
     ideal = concurrency / latency_s
+    cores = os.cpu_count() or 1
+    per_call = {name: 1000 * value / max(calls, 1) for name, value in cpu.items()}
+    total_ms = sum(per_call.values())
+    worker_ms = per_call["worker"]
+    # The best these CPU costs allow: the cores shared by all processes, and one worker process that needs
+    # concurrency x its CPU per call to send one turn of every rollout, a stagger that every turn carries.
+    ideal_s = turns * latency_s * -(-rollouts // concurrency)
+    cpu_bound_s = calls * total_ms / 1000 / cores
+    worker_bound_s = ideal_s + concurrency * worker_ms / 1000
+    bound_s = max(ideal_s, cpu_bound_s, worker_bound_s)
     return {
         "rollouts": rollouts, "concurrency": concurrency, "latency_s": latency_s, "turns": turns,
         "engine_calls": calls, "seconds": seconds, "calls_per_s": achieved, "ideal_calls_per_s": ideal,
         "ratio": achieved / ideal, "engine_max_in_flight": stats["max_in_flight"],
-        "worker_peak_rss_mib": peak_rss_mib,
-        "cpu_ms_per_call": {name: 1000 * value / max(calls, 1) for name, value in cpu.items()},
-        "cpu_cores": os.cpu_count(),
-        "ideal_seconds": turns * latency_s * -(-rollouts // concurrency),
+        "peak_rss_mb": peak_rss_kib * 1024 / 1e6, "worker_peak_rss_mib": peak_rss_kib / 1024,
+        "cpu_ms_per_call": per_call, "cpu_ms_per_call_total": total_ms,
+        "cpu_cores": cores,
+        "ideal_seconds": ideal_s,
+        "cpu_bound_seconds": cpu_bound_s, "worker_bound_seconds": worker_bound_s,
+        "bound_ratio": min(1.0, (calls / bound_s) / ideal),
     }
 
 
@@ -170,10 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine calls/s {r['calls_per_s']:.0f} vs ideal {r['ideal_calls_per_s']:.0f} -> ratio {r['ratio']:.2f}; "
           f"engine peak in flight {r['engine_max_in_flight']}")
     per_call = r["cpu_ms_per_call"]
-    total = sum(per_call.values())
-    print(f"worker peak RSS {r['worker_peak_rss_mib']:.0f} MiB; CPU ms per engine call: "
+    total = r["cpu_ms_per_call_total"]
+    print(f"worker peak RSS {r['peak_rss_mb']:.0f} MB ({r['worker_peak_rss_mib']:.0f} MiB); CPU ms per engine call: "
           + ", ".join(f"{name} {value:.2f}" for name, value in per_call.items())
           + f" (total {total:.2f} ms -> at most ~{1000 * r['cpu_cores'] / total:.0f} calls/s on {r['cpu_cores']} cores)")
+    print(f"bounds from these CPU costs: {r['cpu_cores']} cores shared by all processes >= "
+          f"{r['cpu_bound_seconds']:.2f}s; one worker process sending a turn of {r['concurrency']} rollouts "
+          f"({per_call['worker']:.2f} ms each) + {r['turns']} x {r['latency_s']:g}s latency >= "
+          f"{r['worker_bound_seconds']:.2f}s -> best possible ratio {r['bound_ratio']:.2f}")
     return 0
 
 

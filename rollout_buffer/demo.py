@@ -116,7 +116,14 @@ def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, wor
                 print(_summary(groups, elapsed))
                 print("\none record as the trainer receives it (token lists shortened):")
                 print(orjson.dumps(_compact(groups[0][0]), option=orjson.OPT_INDENT_2).decode())
-                print(f"\nrun detail: GET {url}/runs/{run_id} -> tasks {client.get(f'/runs/{run_id}').json()['tasks']}")
+                # a worker acknowledges its task just after the record that completed the group: give the
+                # last acknowledgements a moment to land before showing the counters
+                deadline = time.monotonic() + 10
+                tasks = client.get(f"/runs/{run_id}").json()["tasks"]
+                while tasks["running"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    tasks = client.get(f"/runs/{run_id}").json()["tasks"]
+                print(f"\nrun detail: GET {url}/runs/{run_id} -> tasks {tasks}")
         finally:
             server.send_signal(signal.SIGTERM)
             try:

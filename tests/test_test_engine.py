@@ -475,3 +475,80 @@ def test_cli_serves_until_terminated(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def _raw_exchange(url: str, payload: bytes, expect: int, timeout_s: float = 10.0) -> list[bytes]:
+    """Send raw bytes on one connection and read `expect` HTTP responses (Content-Length framed)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    answers: list[bytes] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            writer.write(payload)
+            await writer.drain()
+            while len(answers) < expect:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"HTTP/1.1 100"):
+                    answers.append(head)
+                    continue
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+                answers.append(head + await reader.readexactly(length))
+    finally:
+        writer.close()
+    return answers
+
+
+async def test_http_server_keeps_alive_answers_pipelined_requests_in_order_and_refuses_properly(
+    engine: TestEngine, session: aiohttp.ClientSession
+) -> None:
+    def request(path: str, body: bytes = b"", method: str = "POST", extra: str = "") -> bytes:
+        return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+    slow = json.dumps({"input_ids": [1, 2, 3], "rid": "first"}).encode()
+    answers = await _raw_exchange(engine.url, request("/generate", slow) + request("/health", method="GET")
+                                  + request("/nowhere") + request("/generate", method="GET"), expect=4)
+    assert answers[0].startswith(b"HTTP/1.1 200") and b'"id":"first"' in answers[0], "answers keep request order"
+    assert answers[1].startswith(b"HTTP/1.1 200")
+    assert answers[2].startswith(b"HTTP/1.1 404")
+    assert answers[3].startswith(b"HTTP/1.1 405") and b"Allow: POST" in answers[3]
+    chunked = (b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n"
+               b"a\r\n{\"input_id\r\n" + b"%x\r\n" % len(b's": [4, 5], "rid": "ck"}') + b's": [4, 5], "rid": "ck"}'
+               + b"\r\n0\r\n\r\n")
+    continued, answer = await _raw_exchange(engine.url, chunked, expect=2)
+    assert continued.startswith(b"HTTP/1.1 100") and b'"id":"ck"' in answer
+    bad = await _raw_exchange(engine.url, b"BROKEN\r\n\r\n", expect=1)
+    assert bad[0].startswith(b"HTTP/1.1 400")
+    closing = await _raw_exchange(engine.url, request("/health", method="GET", extra="Connection: close\r\n"), 1)
+    assert b"Connection: close" in closing[0]
+    async with session.get(engine.url + "/v1/models") as resp:  # an ordinary client, for good measure
+        assert resp.status == 200 and (await resp.json())["object"] == "list"
+
+
+async def test_http_server_refuses_oversized_bodies(monkeypatch: pytest.MonkeyPatch, engine: TestEngine,
+                                                    session: aiohttp.ClientSession) -> None:
+    import rollout_buffer.testing.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_MAX_BODY", 1000)
+    async with session.post(engine.url + "/generate", json={"input_ids": list(range(1000))}) as resp:
+        assert resp.status == 413
+    status, _ = await post(session, engine.url + "/generate", {"input_ids": [1, 2]})
+    assert status == 200
+
+
+def test_engine_decoding_equals_the_tokenizer_on_non_round_trip_ids(qwen_tokenizer: Any) -> None:
+    import random as random_module
+
+    from rollout_buffer.testing.engine import NUM_REGULAR_TOKENS, _codec, noise_tokens
+
+    codec = _codec(qwen_tokenizer)
+    rng = random_module.Random(3)
+    special = [151643, 151644, 151645, 151657, 151658]
+    for _ in range(300):
+        ids = noise_tokens(rng, rng.randint(1, 20))
+        ids += [rng.choice(special) for _ in range(rng.randint(0, 3))] + [rng.randrange(NUM_REGULAR_TOKENS)]
+        rng.shuffle(ids)
+        for skip in (False, True):
+            assert codec.decode(ids, skip_special_tokens=skip) == qwen_tokenizer.decode(ids, skip_special_tokens=skip)
+    text = "Héllo <tool_call>\n{\"a\": 1}\n</tool_call> 12 + 7"
+    assert codec.encode(text) == qwen_tokenizer.encode(text, add_special_tokens=False)

@@ -1,13 +1,17 @@
 """HTTP to the engine: one pooled aiohttp session per worker process, bounded retries with backoff.
 
 Transient failures (5xx, 429, connection errors, timeouts, answers that are not the JSON we expect) are
-retried with exponential backoff and jitter via tenacity, a bounded number of times; a 4xx is the
-caller's mistake and fails at once. Either way the caller sees one `EngineError` naming the last cause.
+retried with exponential backoff and jitter (tenacity), a bounded number of times; a 4xx is the caller's
+mistake and fails at once. Either way the caller sees one `EngineError` naming the last cause. The first
+attempt runs bare: the retry machinery is only set up once a call has failed, so the common path (every
+engine call) pays nothing for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +23,6 @@ from tenacity import (
     RetryCallState,
     retry_if_exception_type,
     stop_after_attempt,
-    wait_exponential,
-    wait_random,
 )
 
 from rollout_buffer.task_contract import EngineError
@@ -50,17 +52,23 @@ def new_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, json_serialize=lambda v: orjson.dumps(v).decode())
 
 
+async def close_session(session: aiohttp.ClientSession) -> None:
+    """Close a session from `new_session`."""
+    await session.close()
+
+
 async def post_once(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *,
                     headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
     """One POST; classifies every failure as transient or final."""
+    payload = orjson.dumps(body)
     try:
-        async with session.post(url, data=orjson.dumps(body), timeout=aiohttp.ClientTimeout(total=timeout_s),
+        async with session.post(url, data=payload, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                 headers={"Content-Type": "application/json", **headers}) as response:
             raw = await response.read()
             status = response.status
     except TimeoutError as exc:
         raise EngineTimeout(f"no answer from {url} within {timeout_s:g}s") from exc
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, OSError) as exc:  # OSError covers ConnectionError
         raise TransientEngineError(f"{type(exc).__name__} talking to {url}: {exc}") from exc
     if status >= 500 or status == 429:
         raise TransientEngineError(f"{url} answered HTTP {status}: {raw[:200]!r}")
@@ -75,26 +83,45 @@ async def post_once(session: aiohttp.ClientSession, url: str, body: dict[str, An
     return answer
 
 
+def backoff_s(policy: RetryPolicy, failed_attempt: int) -> float:
+    """The wait after attempt `failed_attempt` (from 1) failed: exponential, capped, plus up to one base
+    of jitter so that many rollouts failing together do not retry in lockstep."""
+    exponential = min(policy.max_backoff_s, policy.backoff_s * 2 ** (failed_attempt - 1))
+    return max(0.0, exponential) + random.uniform(0, policy.backoff_s)
+
+
 async def call_with_retries(attempt: Callable[[int], Awaitable[Any]], policy: RetryPolicy, *,
                             on_retry: Callable[[BaseException], None] | None = None) -> Any:
     """Run `attempt(n)` (n counts from 1) until it succeeds, fails for good, or the retries run out."""
+    try:
+        return await attempt(1)
+    except TransientEngineError as exc:
+        if policy.retries <= 0:
+            raise EngineError(f"{exc} (gave up after 1 attempts)") from exc
+        if on_retry is not None:
+            on_retry(exc)
+        await asyncio.sleep(backoff_s(policy, 1))
+    numbers = iter(range(2, policy.retries + 2))
+    number = 1
+
+    async def again() -> Any:
+        nonlocal number
+        number = next(numbers)
+        return await attempt(number)
 
     def before_sleep(state: RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome else None
-        if on_retry is not None and error is not None:
-            on_retry(error)
+        if on_retry is not None and state.outcome is not None and state.outcome.exception() is not None:
+            on_retry(state.outcome.exception())  # type: ignore[arg-type]
 
     retrying = AsyncRetrying(
-        stop=stop_after_attempt(policy.retries + 1),
-        wait=wait_exponential(multiplier=policy.backoff_s, max=policy.max_backoff_s) + wait_random(0, policy.backoff_s),
+        stop=stop_after_attempt(policy.retries),
+        wait=lambda state: backoff_s(policy, state.attempt_number + 1),
         retry=retry_if_exception_type(TransientEngineError),
         before_sleep=before_sleep,
+        sleep=lambda seconds: asyncio.sleep(seconds),  # looked up at call time: tests may replace it
         reraise=True,
     )
     try:
-        async for trial in retrying:
-            with trial:
-                return await attempt(trial.retry_state.attempt_number)
+        return await retrying(again)
     except TransientEngineError as exc:
-        raise EngineError(f"{exc} (gave up after {policy.retries + 1} attempts)") from exc
-    raise AssertionError("unreachable: tenacity either returns or raises")
+        raise EngineError(f"{exc} (gave up after {number} attempts)") from exc

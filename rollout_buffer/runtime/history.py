@@ -21,11 +21,16 @@ def snapshot(value: Any) -> Any:
 
 
 class HistoryGuard:
-    """Remembers what the engine saw and raises HistoryRewriteError on any rewrite."""
+    """Remembers what the engine saw and raises HistoryRewriteError on any rewrite.
+
+    Each call copies only the messages it adds, when the call begins (what the engine is about to see): the
+    earlier ones are already copied and checked equal, and copying the whole conversation every turn made a
+    rollout's cost grow with the square of its length."""
 
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] | None = None
         self.tools: list[dict[str, Any]] | None = None
+        self._pending: tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None] | None = None
 
     @property
     def started(self) -> bool:
@@ -36,7 +41,9 @@ class HistoryGuard:
         if not isinstance(messages, list) or not messages:
             raise ValueError("chat() needs a non-empty list of messages")
         if self.seen is None:
-            return list(messages)
+            new = list(messages)
+            self._pending = (len(messages), snapshot(new), snapshot(tools) if tools else None)
+            return new
         if (tools or None) != self.tools:
             raise HistoryRewriteError("the tool list changed between engine calls of one rollout")
         known = len(self.seen)
@@ -49,12 +56,20 @@ class HistoryGuard:
                 role = self.seen[index].get("role")
                 raise HistoryRewriteError(
                     f"messages[{index}] ({role}) differs from what the engine already saw; history is append-only")
-        return list(messages[known:])
+        new = list(messages[known:])
+        self._pending = (len(messages), snapshot(new), self.tools)
+        return new
 
     def record(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                assistant: dict[str, Any]) -> None:
-        self.seen = snapshot([*messages, assistant])
-        self.tools = snapshot(tools) if tools else None
+        """Remember the call's messages (as copied when it began) and the assistant message it returned."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == len(messages):
+            self.seen = [*(self.seen or []), *pending[1], *snapshot([assistant])]
+            self.tools = pending[2]
+        else:  # record() without new_messages(): copy everything now
+            self.seen = snapshot([*messages, assistant])
+            self.tools = snapshot(tools) if tools else None
 
     def conversation(self) -> list[dict[str, Any]]:
         """Everything seen so far, for failure records."""

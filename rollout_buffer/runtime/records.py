@@ -43,7 +43,9 @@ def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repea
         record.setdefault("weight_version", turns[0]["weight_version"])
     elif last_finish is not None:
         record.setdefault("finish_reason", last_finish)
-    return TrajectoryRecord.model_validate(record).model_dump()
+    # Validated, then handed to the store as `to_store()` gives it: the turns stay the validated objects
+    # (the packer reads them as they are) instead of being copied back into dicts of id lists.
+    return TrajectoryRecord.model_validate(record).to_store()
 
 
 def failure_record(error: BaseException | str, *, uid: str, instance_id: str, epoch: int, repeat: int,

@@ -4,8 +4,9 @@ Tasks get deterministic stream ids `0-<n>`, n counting (epoch, line, repeat) fro
 (a relaunch after a restart, or two API processes racing) adds only ids above the stream's last one:
 nothing twice. Task state moves queued -> running -> done | failed | skipped in Lua scripts that also
 keep the `tasks_<state>` counters, acknowledge the entry and mark the run `finished` when the last task
-ends, so the counters stay exact however often a task is delivered; a rollout costs three round trips
-(start, write the record, finish).
+ends, so the counters stay exact however often a task is delivered. A rollout makes three script calls
+(start, write the record, finish); the starts and finishes of concurrent rollouts share pipelines
+(`batching.Coalescer`), so a busy worker pays a few round trips per batch, not three per rollout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from rollout_buffer import keys
+from rollout_buffer.runtime.batching import Coalescer, ScriptCall, run_scripts
 
 TERMINAL = ("done", "failed", "skipped")
 
@@ -177,6 +179,10 @@ class TaskQueue:
         self._start = client.register_script(_START)
         self._finish = client.register_script(_FINISH)
         self._enqueue_done = client.register_script(_ENQUEUE_DONE)
+        self._scripts: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts)
+
+    async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
+        return await run_scripts(self.redis, calls)
 
     async def ensure_group(self) -> None:
         try:
@@ -244,27 +250,29 @@ class TaskQueue:
                                     justid=True)
 
     async def start(self, task: Task) -> TaskStart:
-        """Claim a delivered task for a rollout (one round trip); see `_START`."""
+        """Claim a delivered task for a rollout (one script call, batched with concurrent ones); see `_START`."""
         run_id = self.run_id
-        previous, attempts, line = await self._start(
-            keys=[keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
-                  keys.skip(run_id), keys.samples(run_id), self.stream],
-            args=[task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP],
-        )
+        previous, attempts, line = await self._scripts.submit((
+            self._start,
+            [keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
+             keys.skip(run_id), keys.samples(run_id), self.stream],
+            [task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP],
+        ))
         previous = _text(previous)
         proceed = previous not in TERMINAL
         sample = _loads(line) if proceed and line else None
         return TaskStart(previous, int(attempts), sample, proceed)
 
     async def finish(self, task: Task, state: str, stats: dict[str, int] | None = None) -> str:
-        """End a task in `state`, add its counters, acknowledge it (one round trip); returns the previous state."""
+        """End a task in `state`, add its counters, acknowledge it (one batched script call); returns the
+        previous state."""
         run_id = self.run_id
         args: list[Any] = [task.task_id, state, _now(), task.entry_id, keys.WORKER_GROUP]
         for name, amount in (stats or {}).items():
             if amount:
                 args.extend((name, amount))
-        previous = await self._finish(
-            keys=[keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), self.stream], args=args)
+        previous = await self._scripts.submit(
+            (self._finish, [keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), self.stream], args))
         return _text(previous)
 
     async def sample(self, instance_id: str) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from typing import Any
 
@@ -22,6 +23,8 @@ def load_tokenizer(path: str) -> Any:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer at {path!r} has no chat template")
         _cache[path] = tokenizer
+        if gc.isenabled() and gc.get_freeze_count():  # a process that froze its start-up objects (tune_gc):
+            gc.freeze()  # the tokenizer lives as long, keep the collector from re-scanning it
         return tokenizer
 
 

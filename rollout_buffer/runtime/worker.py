@@ -22,7 +22,7 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from rollout_buffer import keys
-from rollout_buffer.runtime.engine_http import new_session
+from rollout_buffer.runtime.engine_http import close_session, new_session
 from rollout_buffer.runtime.executor import RunHandle, execute
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.taskqueue import Task, TaskQueue
@@ -268,5 +268,5 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         if self.session is not None:
-            await self.session.close()
+            await close_session(self.session)
             self.session = None

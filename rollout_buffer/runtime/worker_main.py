@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
+from collections.abc import Callable
 
 from rollout_buffer.embedded_redis import SOCKET_NAME
 from rollout_buffer.runtime.worker import WorkerPool
@@ -49,6 +51,26 @@ async def serve_worker(settings: Settings, stop: asyncio.Event) -> None:
         await store.close()
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (it comes with uvicorn[standard]): the worker is a busy HTTP client,
+    and uvloop runs its transports and callbacks at a fraction of the stock loop's CPU cost."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections for a long-lived busy process (as the API server does): objects
+    alive after start-up (modules, a tokenizer's tables) are moved out of the collector's view, and the
+    young generation is collected every 50,000 allocations instead of 700. Measured on the rollout
+    benchmark: the default settings spent about a quarter of the worker's CPU in the collector, most of it
+    in full collections re-scanning start-up objects. Reference counting still frees acyclic garbage at once."""
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)
+
+
 def run_worker(settings: Settings) -> int:
     """Entry point of `rollout-buffer worker`; returns the process exit code."""
 
@@ -60,5 +82,7 @@ def run_worker(settings: Settings) -> int:
                 loop.add_signal_handler(sig, stop.set)
         await serve_worker(settings, stop)
 
-    asyncio.run(main())
+    tune_gc()
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(main())
     return 0

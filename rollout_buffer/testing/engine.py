@@ -11,6 +11,7 @@ bodies) are injectable by rate or exact count, also over HTTP from another proce
 from __future__ import annotations
 
 import argparse
+import array
 import ast
 import asyncio
 import contextlib
@@ -26,14 +27,18 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httptools
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from rollout_buffer.chat_format import parse_assistant_text
+from rollout_buffer.runtime.prompt_tokens import piece_encoder
 from rollout_buffer.testing.tokenizer import (
     NUM_REGULAR_TOKENS,
     TEMPLATES,
@@ -148,6 +153,7 @@ def _eval_node(node: ast.AST) -> float:
     raise ValueError("not arithmetic")
 
 
+@functools.lru_cache(maxsize=4096)
 def evaluate_expression(expr: str) -> float:
     """Evaluate + - * / arithmetic safely (no names, no calls)."""
     return _eval_node(ast.parse(expr.strip(), mode="eval"))
@@ -279,6 +285,93 @@ def _stable_seed(*parts: Any) -> int:
     return int.from_bytes(digest, "little")
 
 
+def _prompt_key(prompt_ids: list[int]) -> int:
+    """A stable 64-bit key of a prompt: its ids hashed as packed integers (the repr of a long tuple cost more
+    than the rest of the request's generation logic)."""
+    digest = hashlib.blake2b(array.array("q", prompt_ids).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class _Codec:
+    """The engine's tokenizer work, lean: it serves a thousand requests at once on the same cores as the code
+    under test, so per-request cost matters.
+
+    Decoding joins each id's bytes and decodes them as UTF-8 with replacement, which is what a byte-level BPE
+    decoder does (checked against the tokenizer at construction; other tokenizers use the backend's own
+    decode). Encoding is `tokenizer.encode(text, add_special_tokens=False)` without the wrapper's overhead.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._encoder = piece_encoder(tokenizer)
+        self._tables: tuple[list[bytes], list[bytes]] | None = None
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):  # the wrapper post-edits decoded text
+            self._backend = None
+        elif self._backend is not None and type(self._backend.decoder).__name__ == "ByteLevel":
+            self._tables = self._byte_tables(self._backend)
+            if self._tables is not None and not self._self_check(self._backend):
+                self._tables = None
+
+    def _byte_tables(self, backend: Any) -> tuple[list[bytes], list[bytes]] | None:
+        """(bytes per id keeping special tokens, bytes per id dropping them); None if the vocabulary is not Qwen's."""
+        by_id, _ = _regular_vocab()
+        added = backend.get_added_tokens_decoder()
+        size = max([len(by_id), *(int(i) + 1 for i in added)])
+        if size != self.vocab_size or any(int(i) < len(by_id) for i in added):
+            return None
+        keep = [*by_id, *([b""] * (size - len(by_id)))]
+        skip = list(keep)
+        for token_id, token in added.items():
+            keep[int(token_id)] = str(token.content).encode()
+            skip[int(token_id)] = b"" if token.special else str(token.content).encode()
+        return keep, skip
+
+    def _self_check(self, backend: Any) -> bool:
+        rng = random.Random(0)
+        added = list(backend.get_added_tokens_decoder())
+        for _ in range(200):
+            ids = [rng.choice(added) if rng.random() < 0.1 else rng.randrange(NUM_REGULAR_TOKENS)
+                   for _ in range(rng.randint(1, 24))]
+            for skip in (False, True):
+                if self.decode(ids, skip_special_tokens=skip) != backend.decode(ids, skip_special_tokens=skip):
+                    return False
+        return True
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        if self._tables is None:
+            if self._backend is not None:
+                return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
+            return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+        table = self._tables[1 if skip_special_tokens else 0]
+        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoder.encode(text) if text else []
+
+
+@functools.lru_cache(maxsize=8)
+def _codec(tokenizer: Any) -> _Codec:
+    """One codec per tokenizer and process (building the byte tables takes a moment)."""
+    return _Codec(tokenizer)
+
+
+def _check_token_ids(prompt_ids: list[Any], vocab_size: int) -> None:
+    """Refuse anything but in-vocabulary integer ids (as SGLang does); C-speed unless something is wrong."""
+    if not prompt_ids:
+        return
+    try:
+        array.array("q", prompt_ids)  # TypeError for a float, string or null; OverflowError for a huge number
+        valid = min(prompt_ids) >= 0 and max(prompt_ids) < vocab_size
+    except (TypeError, OverflowError):
+        valid = False
+    if not valid:  # name the first bad id
+        for token in prompt_ids:
+            if not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise _BadRequest(f"input_ids contains an invalid token id: {token!r}")
+
+
 @dataclass
 class _Stats:
     requests: int = 0
@@ -298,6 +391,11 @@ class _Stats:
     endpoints: dict[str, int] = field(default_factory=dict)
 
 
+def _resolve(waiter: asyncio.Future[str | None], value: str | None) -> None:
+    if not waiter.done():
+        waiter.set_result(value)
+
+
 class _BadRequest(Exception):
     """A client error answered with HTTP 400, as SGLang does for invalid input."""
 
@@ -308,6 +406,183 @@ class _Fault:
     ABORT = "abort"
     HANG = "hang"
     MALFORMED = "malformed"
+
+
+# --------------------------------------------------------------------------- HTTP server
+
+
+class _Request:
+    """The part of aiohttp's `web.Request` the engine's handlers use."""
+
+    __slots__ = ("_body", "headers", "method", "path", "query_string")
+
+    def __init__(self, method: str, path: str, query_string: str, headers: CIMultiDictProxy[str], body: bytes) -> None:
+        self.method = method
+        self.path = path
+        self.query_string = query_string
+        self.headers = headers
+        self._body = body
+
+    async def read(self) -> bytes:
+        return self._body
+
+
+Handler = Callable[[_Request], Awaitable[web.Response]]
+_MAX_BODY = 64 * 1024 * 1024
+
+
+class _HTTPServer:
+    """A lean HTTP/1.1 server for the engine's few JSON routes.
+
+    The engine shares the machine with the code under test and answers thousands of requests per second in
+    benchmarks; aiohttp's web application spent more CPU per request than the engine's own work. This
+    serves the same routes with httptools (llhttp): keep-alive and pipelined requests answered in order,
+    Content-Length and chunked request bodies, `Expect: 100-continue`, 404/405/413/400 answers, and a
+    handler is cancelled when its client disconnects (as aiohttp's `handler_cancellation`). Handlers
+    return `aiohttp.web.Response` objects, which are only read here.
+    """
+
+    def __init__(self, routes: dict[str, dict[str, Handler]]) -> None:
+        self.routes = routes
+        self.connections: set[_HTTPConnection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self.connections_made = 0
+
+    async def start(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _HTTPConnection(self, loop), sock=sock, backlog=4096)
+
+    async def dispatch(self, request: _Request) -> web.Response:
+        by_method = self.routes.get(request.path)
+        if by_method is None:
+            return web.Response(status=404, text="404: Not Found")
+        handler = by_method.get(request.method)
+        if handler is None:
+            return web.Response(status=405, text="405: Method Not Allowed",
+                                headers={"Allow": ",".join(sorted(by_method))})
+        return await handler(request)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop listening, give running handlers `grace_s` to answer, then close every connection."""
+        if self._server is not None:
+            self._server.close()
+        busy = [c.task for c in self.connections if c.task is not None]
+        if busy:
+            await asyncio.wait(busy, timeout=grace_s)
+        for connection in list(self.connections):
+            connection.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+
+class _HTTPConnection(asyncio.Protocol):
+    """One client connection: parses requests, runs them one at a time, writes answers in order."""
+
+    def __init__(self, server: _HTTPServer, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[tuple[_Request | None, bool]] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.closed = False
+        self._url = b""
+        self._headers: list[tuple[str, str]] = []
+        self._body: list[bytes] = []
+        self._size = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+        self.server.connections_made += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._write(web.Response(status=400, text=f"400: Bad Request ({exc})"), keep_alive=False)
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._body = []
+        self._size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        for name, value in self._headers:
+            if name.lower() == "expect" and value.strip().lower() == "100-continue" and self.transport is not None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size <= _MAX_BODY:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        keep_alive = bool(self.parser.should_keep_alive())
+        if self._size > _MAX_BODY:
+            self.queue.append((None, False))
+        else:
+            url = httptools.parse_url(self._url)
+            request = _Request(self.parser.get_method().decode("ascii"), (url.path or b"/").decode("utf-8", "replace"),
+                               (url.query or b"").decode("utf-8", "replace"),
+                               CIMultiDictProxy(CIMultiDict(self._headers)), b"".join(self._body))
+            self.queue.append((request, keep_alive))
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        try:
+            while self.queue and not self.closed:
+                request, keep_alive = self.queue.popleft()
+                if request is None:
+                    response = web.Response(status=413, text="413: Request Entity Too Large")
+                else:
+                    try:
+                        response = await self.server.dispatch(request)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - a handler bug answers 500, as aiohttp does
+                        response = web.Response(status=500, text=f"500: Internal Server Error ({exc!r})")
+                self._write(response, keep_alive)
+                if not keep_alive:
+                    return
+        finally:
+            self.task = None
+
+    def _write(self, response: web.Response, keep_alive: bool) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        body = response.body if isinstance(response.body, bytes) else b""
+        head = [f"HTTP/1.1 {response.status} {response.reason}\r\nContent-Length: {len(body)}\r\n"]
+        for name, value in response.headers.items():
+            if name.lower() not in ("content-length", "transfer-encoding", "connection"):
+                head.append(f"{name}: {value}\r\n")
+        if not keep_alive:
+            head.append("Connection: close\r\n")
+        head.append("\r\n")
+        self.transport.write("".join(head).encode("latin-1") + body)
+        if not keep_alive:
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
 
 
 # --------------------------------------------------------------------------- the engine
@@ -341,6 +616,7 @@ class TestEngine:
         self.config = config or EngineConfig()
         self.config.update(config_values)
         self._custom_responder = responder
+        self._codec = _codec(tokenizer)
         self.eos_id: int = int(tokenizer.eos_token_id)
         self.stop_ids: set[int] = {self.eos_id}
         if tokenizer.pad_token_id is not None:
@@ -349,9 +625,9 @@ class TestEngine:
         self._lock = threading.Lock()
         self._fault_rng = random.Random(self.config.seed)
         self._occurrences: dict[int, int] = {}
-        self._inflight: dict[str, list[asyncio.Future[str]]] = {}
+        self._inflight: dict[str, list[asyncio.Future[str | None]]] = {}
         self._closing: asyncio.Event | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: _HTTPServer | None = None
         self._url: str | None = None
 
     # ----------------------------------------------------------------- lifecycle
@@ -366,16 +642,12 @@ class TestEngine:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Start serving; port 0 picks a free port. Returns the URL."""
         self._closing = asyncio.Event()
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        self._add_routes(app)
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
-        await self._runner.setup()
         # Bind ourselves so port 0 works and the real port is known; a deep backlog lets
         # a thousand clients connect at once without SYN retries.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family, backlog=4096)
-        site = web.SockSite(self._runner, sock, backlog=4096)
-        await site.start()
+        self._server = _HTTPServer(self._routes())
+        await self._server.start(sock)
         bound_port = sock.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         self._url = f"http://{shown}:{bound_port}"
@@ -386,9 +658,9 @@ class TestEngine:
         if self._closing is not None:
             self._closing.set()
         self._abort_matching(None, "Server is shutting down")
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.stop(grace_s=2.0)
+            self._server = None
 
     async def __aenter__(self) -> TestEngine:
         await self.start()
@@ -418,7 +690,7 @@ class TestEngine:
 
     def _request_rng(self, prompt_ids: list[int], rid: str | None, temperature: float, index: int) -> random.Random:
         """Same (seed, rid, prompt) -> same output; without rid, repeats of a prompt differ."""
-        prompt_key = _stable_seed(tuple(prompt_ids))
+        prompt_key = _prompt_key(prompt_ids)
         if temperature == 0:
             return random.Random(_stable_seed(self.config.seed, prompt_key, "greedy"))
         if rid is not None:
@@ -429,11 +701,14 @@ class TestEngine:
         return random.Random(_stable_seed(self.config.seed, prompt_key, "nth", nth))
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return self._codec.encode(text)
+
+    def _decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        return self._codec.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def plan(self, prompt_ids: list[int], rng: random.Random, extra_tokens: int = 0) -> Plan:
         """Build the full scripted output: noise tokens, the scripted text, then EOS."""
-        prompt_text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        prompt_text = self._decode(prompt_ids, skip_special_tokens=False)
         script = self._responder(prompt_text, rng)
         low, high = self.config.noise_tokens
         noise = noise_tokens(rng, rng.randint(low, high))
@@ -485,7 +760,7 @@ class TestEngine:
             if token in stop_ids:
                 return count, {"type": "stop", "matched": token}
             if stops:
-                text = self.tokenizer.decode(plan.ids[:count], skip_special_tokens=skip_special)
+                text = self._decode(plan.ids[:count], skip_special_tokens=skip_special)
                 for stop in stops:
                     if stop and stop in text:
                         return count, {"type": "stop", "matched": stop}
@@ -498,7 +773,7 @@ class TestEngine:
         matched = reason.get("matched")
         if trim and isinstance(matched, int) and ids:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+        text = self._decode(ids, skip_special_tokens=skip_special)
         if trim and isinstance(matched, str):
             pos = text.find(matched)
             if pos >= 0:
@@ -516,10 +791,7 @@ class TestEngine:
         index: int = 0,
     ) -> Result:
         """Plan, wait out the latency (abortable), and cut the output as SGLang would."""
-        vocab_size = len(self.tokenizer)
-        for token in prompt_ids:
-            if not isinstance(token, int) or not 0 <= token < vocab_size:
-                raise _BadRequest(f"input_ids contains an invalid token id: {token!r}")
+        _check_token_ids(prompt_ids, self._codec.vocab_size)
         raw_temperature = params.get("temperature")
         temperature = 1.0 if raw_temperature is None else float(raw_temperature)
         rng = self._request_rng(prompt_ids, rid, temperature, index)
@@ -551,20 +823,24 @@ class TestEngine:
         return Result(ids, plan.logprobs[: len(ids)], reason, text, list(prompt_ids), request_id)
 
     async def _wait(self, request_id: str, delay: float) -> tuple[str, float] | None:
-        """Sleep `delay` unless aborted; returns (message, share of delay elapsed) on abort."""
+        """Sleep `delay` unless aborted; returns (message, share of delay elapsed) on abort.
+
+        One future per request, resolved by a timer (None) or by an abort (its message): no task per
+        request, as `wait_for` would make."""
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[str] = loop.create_future()
+        waiter: asyncio.Future[str | None] = loop.create_future()
         self._inflight.setdefault(request_id, []).append(waiter)
         started = time.monotonic()
+        timer = loop.call_later(delay, _resolve, waiter, None) if delay > 0 else None
         try:
-            if delay > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(waiter), delay)
-            if waiter.done():
-                share = (time.monotonic() - started) / delay if delay > 0 else 0.0
-                return waiter.result(), min(share, 1.0)
-            return None
+            message = await waiter if timer is not None else None
+            if message is None:
+                return None
+            share = (time.monotonic() - started) / delay if delay > 0 else 0.0
+            return message, min(share, 1.0)
         finally:
+            if timer is not None:
+                timer.cancel()
             waiters = self._inflight.get(request_id, [])
             if waiter in waiters:
                 waiters.remove(waiter)
@@ -612,28 +888,35 @@ class TestEngine:
 
     # ----------------------------------------------------------------- HTTP plumbing
 
-    def _add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/generate", self._handle_generate)
-        app.router.add_post("/v1/chat/completions", self._handle_chat)
-        app.router.add_get("/health", self._handle_health)
-        app.router.add_get("/health_generate", self._handle_health_generate)
-        app.router.add_get("/get_model_info", self._handle_model_info)
-        app.router.add_get("/get_server_info", self._handle_server_info)
-        app.router.add_get("/v1/models", self._handle_models)
-        app.router.add_post("/abort_request", self._handle_abort)
-        app.router.add_post("/update_weight_version", self._handle_update_weight_version)
-        app.router.add_post("/flush_cache", self._handle_flush_cache)
-        app.router.add_get("/_test/stats", self._handle_stats)
-        app.router.add_post("/_test/reset_stats", self._handle_reset_stats)
-        app.router.add_get("/_test/config", self._handle_get_config)
-        app.router.add_post("/_test/config", self._handle_set_config)
+    def _routes(self) -> dict[str, dict[str, Handler]]:
+        get, post = "GET", "POST"
+        table: list[tuple[str, str, Handler]] = [
+            (post, "/generate", self._handle_generate),
+            (post, "/v1/chat/completions", self._handle_chat),
+            (get, "/health", self._handle_health),
+            (get, "/health_generate", self._handle_health_generate),
+            (get, "/get_model_info", self._handle_model_info),
+            (get, "/get_server_info", self._handle_server_info),
+            (get, "/v1/models", self._handle_models),
+            (post, "/abort_request", self._handle_abort),
+            (post, "/update_weight_version", self._handle_update_weight_version),
+            (post, "/flush_cache", self._handle_flush_cache),
+            (get, "/_test/stats", self._handle_stats),
+            (post, "/_test/reset_stats", self._handle_reset_stats),
+            (get, "/_test/config", self._handle_get_config),
+            (post, "/_test/config", self._handle_set_config),
+        ]
+        routes: dict[str, dict[str, Handler]] = {}
+        for method, path, handler in table:
+            routes.setdefault(path, {})[method] = handler
+        return routes
 
     @staticmethod
     def _json(obj: Any, status: int = 200) -> web.Response:
         return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
     @staticmethod
-    async def _body(request: web.Request) -> dict[str, Any]:
+    async def _body(request: _Request) -> dict[str, Any]:
         raw = await request.read()
         if not raw:
             return {}
@@ -645,13 +928,13 @@ class TestEngine:
             raise _BadRequest("request body must be a JSON object")
         return body
 
-    def _count_endpoint(self, request: web.Request) -> None:
+    def _count_endpoint(self, request: _Request) -> None:
         with self._lock:
             self.stats.endpoints[request.path] = self.stats.endpoints.get(request.path, 0) + 1
 
     async def _serve_generation(
-        self, request: web.Request, build: Callable[[dict[str, Any], str], Any]
-    ) -> web.StreamResponse:
+        self, request: _Request, build: Callable[[dict[str, Any], str], Any]
+    ) -> web.Response:
         """Shared path for generation endpoints: counting, faults, errors, malformed bodies."""
         self._count_endpoint(request)
         with self._lock:
@@ -693,7 +976,7 @@ class TestEngine:
 
     # ----------------------------------------------------------------- /generate
 
-    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_generate(self, request: _Request) -> web.Response:
         return await self._serve_generation(request, self._build_generate)
 
     async def _build_generate(self, body: dict[str, Any], fault: str) -> Any:
@@ -711,9 +994,12 @@ class TestEngine:
         else:
             rid_list = [rids]
         want_logprob = bool(body.get("return_logprob", False))
-        results = await asyncio.gather(
-            *(self.generate_one(p, params, r, fault) for p, r in zip(prompts, rid_list, strict=True))
-        )
+        if batch:
+            results = await asyncio.gather(
+                *(self.generate_one(p, params, r, fault) for p, r in zip(prompts, rid_list, strict=True))
+            )
+        else:  # no task per request for the common case
+            results = [await self.generate_one(prompts[0], params, rid_list[0], fault)]
         outputs = [self._generate_payload(r, want_logprob) for r in results]
         return outputs if batch else outputs[0]
 
@@ -749,7 +1035,7 @@ class TestEngine:
 
     # ----------------------------------------------------------------- /v1/chat/completions
 
-    async def _handle_chat(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_chat(self, request: _Request) -> web.Response:
         return await self._serve_generation(request, self._build_chat)
 
     def _render_chat(self, body: dict[str, Any]) -> list[int]:
@@ -857,11 +1143,11 @@ class TestEngine:
 
     # ----------------------------------------------------------------- small endpoints
 
-    async def _handle_health(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_health(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         return web.Response(status=200)
 
-    async def _handle_health_generate(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_health_generate(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         await self.generate_one(self._encode("ping"), {"max_new_tokens": 1}, None, _Fault.NONE)
         return web.Response(status=200)
@@ -877,11 +1163,11 @@ class TestEngine:
             "has_audio_understanding": False,
         }
 
-    async def _handle_model_info(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_model_info(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         return self._json(self._model_info())
 
-    async def _handle_server_info(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_server_info(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         info = {
             **self._model_info(),
@@ -892,12 +1178,12 @@ class TestEngine:
         }
         return self._json(info)
 
-    async def _handle_models(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_models(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         model = {"id": self.model_path, "object": "model", "created": 0, "owned_by": "sglang", "root": self.model_path}
         return self._json({"object": "list", "data": [model]})
 
-    async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_abort(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         try:
             body = await self._body(request)
@@ -909,7 +1195,7 @@ class TestEngine:
             self._abort_matching(str(body["rid"]), "Abort requested by /abort_request")
         return web.Response(status=200)
 
-    async def _handle_update_weight_version(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_update_weight_version(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         try:
             body = await self._body(request)
@@ -926,23 +1212,23 @@ class TestEngine:
             {"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)}
         )
 
-    async def _handle_flush_cache(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_flush_cache(self, request: _Request) -> web.Response:
         self._count_endpoint(request)
         return web.Response(status=200, text="Cache flushed.")
 
-    async def _handle_stats(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_stats(self, request: _Request) -> web.Response:
         return self._json(self.stats_dict())
 
-    async def _handle_reset_stats(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_reset_stats(self, request: _Request) -> web.Response:
         with self._lock:
             in_flight = self.stats.in_flight
             self.stats = _Stats(in_flight=in_flight, max_in_flight=in_flight)
         return self._json({"success": True})
 
-    async def _handle_get_config(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_get_config(self, request: _Request) -> web.Response:
         return self._json(self.config.as_dict())
 
-    async def _handle_set_config(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_set_config(self, request: _Request) -> web.Response:
         try:
             self.configure(**await self._body(request))
         except (_BadRequest, ValueError, TypeError) as exc:
@@ -1049,7 +1335,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             await engine.stop()
 
-    asyncio.run(serve())
+    from rollout_buffer.runtime.worker_main import event_loop_factory, tune_gc
+
+    tune_gc()  # the engine process is long-lived and allocation-heavy, like a worker
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # uvloop: it shares the cores it serves
+        runner.run(serve())
     return 0
 
 
