@@ -74,8 +74,8 @@ def _wait_completed(client: httpx.Client, run_id: str, groups: int, timeout_s: f
 
 def _stages_alone(buffer_url: str, args: SimpleNamespace, prompts: int) -> dict[str, float]:
     from slime_adapter.agent_rollout import build_start_payload, split_groups
-    from slime_adapter.build import build_group_samples
     from slime_adapter.buffer_client import get_rollout_data
+    from slime_adapter.build import build_group_samples
     from slime_adapter.settings import AgentRolloutSettings
 
     settings = AgentRolloutSettings.from_args(args)

@@ -14,6 +14,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from rollout_buffer import keys, lua
+from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.packing import pack_record, unpack_record
 
 SOCKET_TIMEOUT_S = 30.0
@@ -70,6 +71,7 @@ class Store:
         self._write = client.register_script(lua.WRITE_RECORD)
         self._read = client.register_script(lua.READ_READY)
         self._expire = client.register_script(lua.EXPIRE_GROUPS)
+        self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128) -> "Store":
@@ -180,9 +182,10 @@ class Store:
         return WriteOutcome(outcome, group=detail)
 
     async def write_record(self, run_id: str, record: dict[str, Any]) -> WriteOutcome:
-        """Store one validated record (idempotent by uid); completes its group atomically."""
+        """Store one validated record (idempotent by uid); completes its group atomically. Concurrent
+        writes (API requests, rollouts of a worker) share pipelines: `rollout_buffer.batching`."""
         write_keys, args = self._write_call(run_id, record)
-        return self._outcome(await self._write(keys=write_keys, args=args))
+        return self._outcome(await self._writes.submit((self._write, write_keys, args)))
 
     async def write_records(self, run_id: str, records: list[dict[str, Any]],
                             blobs: list[bytes] | None = None) -> list[WriteOutcome]:
@@ -193,10 +196,10 @@ class Store:
             return []
         calls = [self._write_call(run_id, record, None if blobs is None else blobs[i])
                  for i, record in enumerate(records)]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for write_keys, args in calls:
-                await self._write(keys=write_keys, args=args, client=pipe)
-            replies = await pipe.execute()
+        replies = await run_scripts(self.redis, [(self._write, write_keys, args) for write_keys, args in calls])
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
         return [self._outcome(reply) for reply in replies]
 
     # ----- reads ------------------------------------------------------------------------------

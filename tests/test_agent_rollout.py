@@ -17,8 +17,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 import slime_adapter.agent_rollout as agent_rollout
+from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from slime_adapter.agent_rollout import (
     GroupSizeMismatchError,
     RolloutDataUnavailable,

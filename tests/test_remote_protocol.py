@@ -13,7 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_buffer.testing.recording_trainer import RecordingTrainer, run_recording_trainer_in_thread
+from rollout_buffer.testing.recording_trainer import (
+    RecordingTrainer,
+    run_recording_trainer_in_thread,
+)
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from tests.helpers import ServerProcess
 from tests.remote_tasks.remote_calculator_generator import TOOLS

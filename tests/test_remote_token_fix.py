@@ -10,7 +10,12 @@ import pytest
 
 from rollout_buffer.chat_format import parse_assistant_text
 from rollout_buffer.remote.mask import ResponseMaskTracker
-from rollout_buffer.remote.token_fix import TokenFixCounters, build_segments, end_of_turn_id, normalize_turn_text
+from rollout_buffer.remote.token_fix import (
+    TokenFixCounters,
+    build_segments,
+    end_of_turn_id,
+    normalize_turn_text,
+)
 from rollout_buffer.task_contract import HistoryRewriteError
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.remote_tasks.remote_calculator_generator import TOOLS

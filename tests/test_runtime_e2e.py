@@ -15,7 +15,6 @@ from tests.runtime_helpers import (
     assert_exact_turns,
     assert_whole_groups,
     drain,
-    run_detail,
     start_native,
     wait_status,
     write_rows,

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from rollout_buffer.batching import Coalescer
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.generator.calculator_generator import TOOLS
-from rollout_buffer.runtime.batching import Coalescer
 from rollout_buffer.runtime.engine_http import (
     EngineTimeout,
     RetryPolicy,

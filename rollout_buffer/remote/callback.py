@@ -17,7 +17,12 @@ from typing import Any
 
 import aiohttp
 import orjson
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
 from rollout_buffer.remote.settings import RemoteSettings
 from rollout_buffer.remote.state import RemoteStates

@@ -17,7 +17,12 @@ import aiohttp
 
 from rollout_buffer.remote.mask import ResponseMaskTracker
 from rollout_buffer.runtime.chat_client import parse_chat_answer
-from rollout_buffer.runtime.engine_http import RetryPolicy, TransientEngineError, call_with_retries, post_once
+from rollout_buffer.runtime.engine_http import (
+    RetryPolicy,
+    TransientEngineError,
+    call_with_retries,
+    post_once,
+)
 from rollout_buffer.runtime.history import HistoryGuard, snapshot
 from rollout_buffer.task_contract import ChatResult, HistoryRewriteError
 

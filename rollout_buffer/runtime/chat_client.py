@@ -12,7 +12,12 @@ from typing import Any
 
 import aiohttp
 
-from rollout_buffer.runtime.engine_http import RetryPolicy, TransientEngineError, call_with_retries, post_once
+from rollout_buffer.runtime.engine_http import (
+    RetryPolicy,
+    TransientEngineError,
+    call_with_retries,
+    post_once,
+)
 from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.sglang_client import ROUTING_HEADER, merge_sampling
 from rollout_buffer.task_contract import ChatResult

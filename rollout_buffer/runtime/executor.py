@@ -11,13 +11,11 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from redis.exceptions import ResponseError
 
-from rollout_buffer.runtime.batching import Coalescer
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy
 from rollout_buffer.runtime.options import RunOptions
@@ -25,7 +23,7 @@ from rollout_buffer.runtime.records import failure_record, success_record
 from rollout_buffer.runtime.sglang_client import GenerateClient
 from rollout_buffer.runtime.taskqueue import TERMINAL, Task, TaskQueue
 from rollout_buffer.schema import StartRolloutRequest
-from rollout_buffer.store import Store, WriteOutcome
+from rollout_buffer.store import Store
 from rollout_buffer.task_contract import EngineClient, RolloutContext
 from rollout_buffer.tasks import TaskModule
 
@@ -34,32 +32,6 @@ log = logging.getLogger(__name__)
 
 class RolloutTimeout(TimeoutError):
     """The whole rollout ran past its time limit."""
-
-
-class RecordWriter:
-    """One run's record writes, the concurrent ones sent together (`Store.write_records`, one pipeline)."""
-
-    def __init__(self, store: Store, run_id: str) -> None:
-        self.store = store
-        self.run_id = run_id
-        self._batches: Coalescer[dict[str, Any], WriteOutcome] = Coalescer(self._write_batch)
-
-    async def write(self, record: dict[str, Any]) -> WriteOutcome:
-        return await self._batches.submit(record)
-
-    async def _write_batch(self, records: list[dict[str, Any]]) -> list[WriteOutcome | BaseException]:
-        if len(records) == 1:
-            return [await self.store.write_record(self.run_id, records[0])]
-        try:
-            return list(await self.store.write_records(self.run_id, records))
-        except ResponseError:  # one record's error reply: write them one by one, so only that one fails
-            return [await self._write_one(record) for record in records]
-
-    async def _write_one(self, record: dict[str, Any]) -> WriteOutcome | BaseException:
-        try:
-            return await self.store.write_record(self.run_id, record)
-        except ResponseError as exc:
-            return exc
 
 
 @dataclass
@@ -72,12 +44,6 @@ class RunHandle:
     task: TaskModule
     tokenizer: Any | None
     queue: TaskQueue
-    _writer: RecordWriter | None = field(default=None, init=False, repr=False)
-
-    def writer(self, store: Store) -> RecordWriter:
-        if self._writer is None or self._writer.store is not store:
-            self._writer = RecordWriter(store, self.run_id)
-        return self._writer
 
     def engine_client(self, session: aiohttp.ClientSession, uid: str, stats: Counter[str]) -> EngineClient:
         opts = self.options
@@ -119,7 +85,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
                                 stats=stats, worker=worker, started=time.monotonic())
     if record["status"] == "failed":
         stats[f"rollout_errors:{record['extra_info'].get('error_type', 'unknown')}"] += 1
-    outcome = await handle.writer(store).write(record)
+    outcome = await store.write_record(handle.run_id, record)
     if outcome.outcome == "dropped" and outcome.reason == "skipped_instance":
         final = "skipped"
     else:

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from rollout_buffer import keys
-from rollout_buffer.runtime.batching import Coalescer, ScriptCall, run_scripts
+from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
 
 TERMINAL = ("done", "failed", "skipped")
 
