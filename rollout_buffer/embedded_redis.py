@@ -60,6 +60,10 @@ class EmbeddedRedis:
     owner: bool = False
     _lock_fd: int | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        # absolute, so the socket URL means the same thing to every process, whatever its working directory
+        self.data_dir = Path(self.data_dir).resolve()
+
     @property
     def socket_path(self) -> Path:
         return self.data_dir / SOCKET_NAME

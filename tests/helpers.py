@@ -26,25 +26,27 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m rollout_buffer.cli serve` in a child process, with its own data dir and port."""
 
-    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, command: str = "serve") -> None:
+    def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, command: str = "serve",
+                 cwd: Path = REPO) -> None:
         self.data_dir = Path(data_dir)
+        self.cwd = cwd
         self.port = free_port()
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
         self.command = command
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = self.data_dir.parent / f"server-{self.port}.log"
+        self.log_path = (self.cwd / self.data_dir).parent / f"server-{self.port}.log"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> "ServerProcess":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.cwd / self.data_dir).mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", "rollout_buffer.cli", self.command, "--port", str(self.port),
                "--data-dir", str(self.data_dir), "--log-level", "warning", *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

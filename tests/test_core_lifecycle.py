@@ -197,3 +197,11 @@ def test_a_start_refused_by_the_runtime_stores_no_run(tmp_path: Path) -> None:
             response = client.post("/start_rollout", json=body)
             assert response.status_code == 400 and needle in response.json()["message"], response.text
         assert client.get("/runs").json() == {"runs": [], "active_run": None}
+
+
+def test_serve_with_the_default_relative_data_dir(tmp_path: Path) -> None:
+    """The README's first command: `rollout-buffer serve` in some folder, data in ./.rollout-buffer."""
+    env = {"PYTHONPATH": str(REPO)}
+    with ServerProcess(Path(".rollout-buffer"), cwd=tmp_path, env=env) as server:
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    assert (tmp_path / ".rollout-buffer" / "rollout-buffer.aof").exists()
