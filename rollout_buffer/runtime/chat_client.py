@@ -7,19 +7,18 @@ fallback on its side. An aborted answer is continued with SGLang's `continue_fin
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import Any
 
-import aiohttp
-
 from rollout_buffer.runtime.engine_http import (
-    RetryPolicy,
     TransientEngineError,
     call_with_retries,
     post_once,
 )
-from rollout_buffer.runtime.history import HistoryGuard
-from rollout_buffer.runtime.sglang_client import ROUTING_HEADER, merge_sampling
+from rollout_buffer.runtime.sglang_client import (
+    ROUTING_HEADER,
+    RolloutEngineSession,
+    merge_sampling,
+)
 from rollout_buffer.task_contract import ChatResult
 
 log = logging.getLogger(__name__)
@@ -53,28 +52,14 @@ def parse_chat_answer(answer: dict[str, Any]) -> tuple[dict[str, Any], str, int]
     return message, finish, int(usage.get("completion_tokens") or 0)
 
 
-class ChatCompletionsClient:
-    """One rollout's engine client for `/v1/chat/completions`; implements `task_contract.EngineClient`."""
+class ChatCompletionsClient(RolloutEngineSession):
+    """One rollout's engine client for `/v1/chat/completions`; implements `task_contract.EngineClient`.
+    Its `turns` stay empty: this API returns no token ids, so the trainer re-tokenizes the messages."""
 
-    def __init__(self, *, session: aiohttp.ClientSession, url: str, model: str, tools: list[dict[str, Any]] | None,
-                 sampling_params: dict[str, Any], policy: RetryPolicy, routing_key: str,
-                 max_abort_continuations: int = 8, stats: Counter[str] | None = None) -> None:
-        self.session = session
-        self.url = url.rstrip("/")
+    def __init__(self, *, model: str, **common: Any) -> None:
+        super().__init__(**common)
         self.model = model
-        self.default_tools = tools or None
-        self.sampling_params = dict(sampling_params)
-        self.policy = policy
-        self.routing_key = routing_key
-        self.max_abort_continuations = max_abort_continuations
-        self.stats: Counter[str] = stats if stats is not None else Counter()
-        self.turns: list[dict[str, Any]] = []  # stays empty: this API returns no token ids
-        self.guard = HistoryGuard()
         self._calls = 0
-
-    @property
-    def conversation(self) -> list[dict[str, Any]]:
-        return self.guard.conversation()
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    sampling_params: dict[str, Any] | None = None) -> ChatResult:

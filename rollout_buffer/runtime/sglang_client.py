@@ -68,15 +68,15 @@ def parse_generate_answer(answer: dict[str, Any]) -> tuple[list[int], list[float
     return logprob_ids, logprobs, text, str(finish_type), meta.get("weight_version")
 
 
-class GenerateClient:
-    """One rollout's engine client for `/generate`; implements `task_contract.EngineClient`."""
+class RolloutEngineSession:
+    """What every engine client of one rollout holds: where to call and how to retry, the sampling
+    defaults, the recorded turns, and the append-only history guard."""
 
-    def __init__(self, *, session: aiohttp.ClientSession, url: str, tokenizer: Any,
-                 tools: list[dict[str, Any]] | None, sampling_params: dict[str, Any], policy: RetryPolicy,
-                 routing_key: str, max_abort_continuations: int = 8, stats: Counter[str] | None = None) -> None:
+    def __init__(self, *, session: aiohttp.ClientSession, url: str, tools: list[dict[str, Any]] | None,
+                 sampling_params: dict[str, Any], policy: RetryPolicy, routing_key: str,
+                 max_abort_continuations: int = 8, stats: Counter[str] | None = None) -> None:
         self.session = session
         self.url = url.rstrip("/")
-        self.tokenizer = tokenizer
         self.default_tools = tools or None
         self.sampling_params = dict(sampling_params)
         self.policy = policy
@@ -85,12 +85,20 @@ class GenerateClient:
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.turns: list[dict[str, Any]] = []
         self.guard = HistoryGuard()
-        self._prompt: PromptTokens | None = None
-        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
         return self.guard.conversation()
+
+
+class GenerateClient(RolloutEngineSession):
+    """One rollout's engine client for `/generate`; implements `task_contract.EngineClient`."""
+
+    def __init__(self, *, tokenizer: Any, **common: Any) -> None:
+        super().__init__(**common)
+        self.tokenizer = tokenizer
+        self._prompt: PromptTokens | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    sampling_params: dict[str, Any] | None = None) -> ChatResult:
