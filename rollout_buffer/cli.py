@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             from rollout_buffer.demo import main as demo_main
 
             return demo_main(rest)
+        sys.path.insert(0, os.getcwd())  # bench/ and tests/ live in the repository, not in the package
         try:
             from bench.__main__ import main as bench_main
         except ModuleNotFoundError:
