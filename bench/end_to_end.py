@@ -26,30 +26,6 @@ from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 GROUP_SIZE = 8
 
 
-class _DataBuffer:
-    """The part of slime's data buffer the adapter uses."""
-
-    def __init__(self) -> None:
-        self.groups: list[list[Any]] = []
-        self.metadata: dict[str, Any] = {}
-
-    def get_metadata(self) -> dict[str, Any]:
-        return self.metadata
-
-    def update_metadata(self, metadata: dict[str, Any]) -> None:
-        self.metadata.update(metadata)
-
-    def add_samples(self, groups: list[list[Any]]) -> None:
-        self.groups.extend(groups)
-
-    def get_samples(self, n: int) -> list[list[Any]]:
-        taken, self.groups = self.groups[:n], self.groups[n:]
-        return taken
-
-    def get_buffer_length(self) -> int:
-        return len(self.groups)
-
-
 def _args(buffer_url: str, engine_url: str, input_file: Path, prompts: int, run_id: str) -> SimpleNamespace:
     return SimpleNamespace(
         agent_rollout_buffer_url=buffer_url, prompt_data=str(input_file), rollout_task_type="math",
@@ -106,7 +82,9 @@ def _end_to_end(args: SimpleNamespace, prompts: int) -> float:
     from slime_adapter.agent_rollout import generate_rollout, reset_state
 
     reset_state()
-    data_buffer = _DataBuffer()
+    from tests.helpers import SlimeLikeDataBuffer
+
+    data_buffer = SlimeLikeDataBuffer()
     started = time.perf_counter()
     groups = generate_rollout(args, 0, data_buffer)
     elapsed = time.perf_counter() - started

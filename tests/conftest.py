@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from rollout_buffer.embedded_redis import EmbeddedRedis
+from rollout_buffer.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
+from tests.helpers import SlimeLikeDataBuffer
 
 
 @pytest.fixture(scope="session")
@@ -25,35 +30,6 @@ def qwen3_tokenizer() -> Any:
 def r1_tokenizer() -> Any:
     """The DeepSeek-R1-Distill-Qwen tokenizer (Qwen vocabulary, R1 markers)."""
     return load_qwen_tokenizer("r1_distill")
-
-
-class SlimeLikeDataBuffer:
-    """The surface of slime's `RolloutDataSourceWithBuffer` the agent rollout uses: a FIFO of groups
-    (`add_samples` / `get_samples` / `get_buffer_length`) and the resume metadata dict."""
-
-    def __init__(self, metadata: dict[str, Any] | None = None) -> None:
-        self.buffer: list[list[Any]] = []
-        self.metadata: dict[str, Any] = dict(metadata or {})
-        self.add_calls = 0
-
-    def get_metadata(self) -> dict[str, Any]:
-        return self.metadata
-
-    def update_metadata(self, metadata: dict[str, Any]) -> None:
-        self.metadata.update(metadata)
-
-    def add_samples(self, samples: list[list[Any]]) -> None:
-        assert isinstance(samples, list) and all(isinstance(group, list) and group for group in samples)
-        self.add_calls += 1
-        self.buffer.extend(samples)
-
-    def get_samples(self, num_samples: int) -> list[list[Any]]:
-        taken = self.buffer[:num_samples]
-        del self.buffer[:num_samples]
-        return taken
-
-    def get_buffer_length(self) -> int:
-        return len(self.buffer)
 
 
 @pytest.fixture()
@@ -138,3 +114,15 @@ def external_buffer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     with ServerProcess(tmp_path_factory.mktemp("agent-buffer"), "--task-dir",
                        str(Path(__file__).parent / "tasks")) as proc:
         yield proc
+
+
+@pytest.fixture()
+async def redis_store(tmp_path: Path) -> AsyncIterator[Store]:
+    """A Store on its own embedded Redis in a temp dir."""
+    embedded = EmbeddedRedis(tmp_path / "redis")
+    store = Store.from_url(embedded.start())
+    try:
+        yield store
+    finally:
+        await store.close()
+        embedded.stop()

@@ -110,3 +110,32 @@ def start_run(client: httpx.Client, input_file: Path, *, task_type: str = "math"
     response = client.post("/start_rollout", json=body)
     assert response.status_code == 200, response.text
     return response.json()["run_id"]
+
+
+class SlimeLikeDataBuffer:
+    """The surface of slime's `RolloutDataSourceWithBuffer` the agent rollout uses: a FIFO of groups
+    (`add_samples` / `get_samples` / `get_buffer_length`) and the resume metadata dict."""
+
+    def __init__(self, metadata: dict[str, Any] | None = None) -> None:
+        self.buffer: list[list[Any]] = []
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self.add_calls = 0
+
+    def get_metadata(self) -> dict[str, Any]:
+        return self.metadata
+
+    def update_metadata(self, metadata: dict[str, Any]) -> None:
+        self.metadata.update(metadata)
+
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        assert isinstance(samples, list) and all(isinstance(group, list) and group for group in samples)
+        self.add_calls += 1
+        self.buffer.extend(samples)
+
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        taken = self.buffer[:num_samples]
+        del self.buffer[:num_samples]
+        return taken
+
+    def get_buffer_length(self) -> int:
+        return len(self.buffer)

@@ -27,7 +27,7 @@ from slime_adapter.agent_rollout import (
     reset_state,
 )
 from slime_adapter.sample import Sample
-from tests.helpers import ServerProcess, make_record, write_jsonl
+from tests.helpers import ServerProcess, SlimeLikeDataBuffer, make_record, write_jsonl
 
 SYSTEM = [{"role": "user", "content": "What is 6*7?"}]
 
@@ -212,32 +212,17 @@ def test_http_errors_count_as_failed_fetches(tiny_server: Any, input_file: Path,
     assert json.loads(json.dumps(legacy.read_bodies[0]))["wait_s"] == pytest.approx(4.0)
 
 
-class StrictDataBuffer:
+class StrictDataBuffer(SlimeLikeDataBuffer):
     """slime's `RolloutDataSourceWithBuffer.add_samples`: every group must have n_samples_per_prompt samples."""
 
     def __init__(self, n_samples_per_prompt: int) -> None:
+        super().__init__()
         self.n = n_samples_per_prompt
-        self.buffer: list[list[Any]] = []
-        self.metadata: dict[str, Any] = {}
-
-    def get_metadata(self) -> dict[str, Any]:
-        return self.metadata
-
-    def update_metadata(self, metadata: dict[str, Any]) -> None:
-        self.metadata.update(metadata)
 
     def add_samples(self, samples: list[list[Any]]) -> None:
         for group in samples:
             assert len(group) == self.n, f"group of {len(group)} samples, n_samples_per_prompt is {self.n}"
-        self.buffer.extend(samples)
-
-    def get_samples(self, num_samples: int) -> list[list[Any]]:
-        taken = self.buffer[:num_samples]
-        del self.buffer[:num_samples]
-        return taken
-
-    def get_buffer_length(self) -> int:
-        return len(self.buffer)
+        super().add_samples(samples)
 
 
 def forked_record(tok: Any, instance_id: str, reward: float) -> dict[str, Any]:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from rollout_buffer.batching import Coalescer
-from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.generator.calculator_generator import TOOLS
 from rollout_buffer.runtime.engine_http import (
     EngineTimeout,
@@ -243,16 +241,6 @@ async def test_coalescer_sends_concurrent_calls_together_and_keeps_failures_apar
     results = await asyncio.gather(*(failing.submit(i) for i in range(3)), return_exceptions=True)
     assert all(isinstance(r, ConnectionError) for r in results)
 
-
-@pytest.fixture()
-async def redis_store(tmp_path: Path) -> AsyncIterator[Store]:
-    embedded = EmbeddedRedis(tmp_path / "redis")
-    store = Store.from_url(embedded.start())
-    try:
-        yield store
-    finally:
-        await store.close()
-        embedded.stop()
 
 
 async def test_task_scripts_share_round_trips_and_survive_a_script_flush(redis_store: Store) -> None:

@@ -5,14 +5,12 @@ engine, and the built-in tasks' tools and rewards."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollout_buffer import keys
-from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.generator.boxed import answers_match, boxed_reward, extract_boxed
 from rollout_buffer.generator.calculator_generator import (
     TOOLS,
@@ -131,16 +129,6 @@ def test_run_options_coerce_slime_strings_and_name_bad_fields() -> None:
             RunOptions.from_request(bad, rollout_timeout_s=1)
         assert caught.value.field == field
 
-
-@pytest.fixture()
-async def redis_store(tmp_path: Path) -> AsyncIterator[Store]:
-    embedded = EmbeddedRedis(tmp_path / "redis")
-    store = Store.from_url(embedded.start())
-    try:
-        yield store
-    finally:
-        await store.close()
-        embedded.stop()
 
 
 async def test_enqueue_is_idempotent_resumable_and_counts_exactly(redis_store: Store) -> None:
