@@ -68,19 +68,6 @@ class Runtime(Protocol):
     async def shutdown(self) -> None: ...
 
 
-class NoRuntime:
-    """Runs nothing: the run's records come from `/buffer/write` callers."""
-
-    async def check(self, request: StartRolloutRequest, task: TaskModule) -> None:
-        return None
-
-    async def launch(self, spec: RunSpec) -> None:
-        return None
-
-    async def shutdown(self) -> None:
-        return None
-
-
 def derive_run_id(request: StartRolloutRequest) -> str:
     identity = {k: v for k, v in request.model_dump().items() if k not in _NOT_IDENTITY}
     digest = hashlib.sha1(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]
