@@ -8,16 +8,17 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout_buffer.responses import OrjsonResponse
 
-def error_response(status_code: int, message: str, errors: list[dict[str, Any]] | None = None) -> ORJSONResponse:
+
+def error_response(status_code: int, message: str, errors: list[dict[str, Any]] | None = None) -> OrjsonResponse:
     body: dict[str, Any] = {"success": False, "message": message}
     if errors:
         body["errors"] = errors
-    return ORJSONResponse(body, status_code=status_code)
+    return OrjsonResponse(body, status_code=status_code)
 
 
 def _describe(error: dict[str, Any]) -> dict[str, Any]:
@@ -26,7 +27,7 @@ def _describe(error: dict[str, Any]) -> dict[str, Any]:
     return {"field": ".".join(loc) or "body", "message": msg, "type": error.get("type")}
 
 
-async def _validation_handler(request: Request, exc: RequestValidationError) -> ORJSONResponse:
+async def _validation_handler(request: Request, exc: RequestValidationError) -> OrjsonResponse:
     errors = [_describe(e) for e in exc.errors()]
     if any(e["type"] == "json_invalid" for e in errors):
         return error_response(400, "malformed JSON body: " + "; ".join(e["message"] for e in errors))
@@ -36,7 +37,7 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     return error_response(422, f"invalid request body: {text}", errors)
 
 
-async def _http_handler(request: Request, exc: StarletteHTTPException) -> ORJSONResponse:
+async def _http_handler(request: Request, exc: StarletteHTTPException) -> OrjsonResponse:
     return error_response(exc.status_code, str(exc.detail))
 
 

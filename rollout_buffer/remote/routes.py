@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse
 
 from rollout_buffer.http_errors import error_response
 from rollout_buffer.remote.schema import InitRequest
 from rollout_buffer.remote.service import RemoteService
+from rollout_buffer.responses import OrjsonResponse
 
 router = APIRouter()
 
@@ -28,7 +28,7 @@ async def init(body: InitRequest, request: Request) -> Any:
         return error_response(422, problem, [{"field": "task_type", "message": problem}])
     created, state = await service.init(body)
     message = "rollout accepted" if created else "rollout_id already known; nothing started"
-    return ORJSONResponse({"success": True, "message": message, "created": created, **state},
+    return OrjsonResponse({"success": True, "message": message, "created": created, **state},
                           status_code=202 if created else 200)
 
 

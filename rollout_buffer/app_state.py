@@ -1,0 +1,31 @@
+"""What every route handler of one API process shares (`app.state.buffer`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from rollout_buffer.embedded_redis import EmbeddedRedis
+from rollout_buffer.runs import Runtime
+from rollout_buffer.settings import Settings
+from rollout_buffer.store import Store
+from rollout_buffer.tasks import TaskRegistry
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    store: Store
+    registry: TaskRegistry
+    runtime: Runtime
+    embedded: EmbeddedRedis | None
+    metrics: CollectorRegistry
+    writes: Counter
+    reads: Counter
+    run_stats: Gauge
+
+
+def state_of(request: Request) -> AppState:
+    return request.app.state.buffer

@@ -1,0 +1,8 @@
+"""The buffer's HTTP routes, one `APIRouter` per concern (`rollout_buffer.api` mounts them all):
+
+* `runs`: `POST /start_rollout`, `GET /runs`, `GET /runs/{run_id}`
+* `writes`: `POST /buffer/write`, `/buffer/write_batch`, `/buffer/write_packed`
+* `reads`: `POST /get_rollout_data`
+* `ops`: `GET /health`, `/tasks`, `/metrics`
+* `rollout_buffer.remote.routes`: `POST /init`, `GET /init/{rollout_id}`
+"""

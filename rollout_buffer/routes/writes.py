@@ -1,0 +1,103 @@
+"""Write routes: one record, a JSON batch, a packed binary batch (all idempotent by uid)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout_buffer.app_state import AppState, state_of
+from rollout_buffer.bodies import json_body, parse_body
+from rollout_buffer.http_errors import error_response
+from rollout_buffer.packed_batch import CONTENT_TYPE, PackedBatchError, decode_batch, stamped_blob
+from rollout_buffer.schema import BatchWriteRequest, TrajectoryRecord
+from rollout_buffer.store import WriteOutcome
+
+router = APIRouter()
+bench_router = APIRouter(include_in_schema=False)
+
+
+def batch_answer(state: AppState, run_id: str, uids: list[str], outcomes: list[WriteOutcome]) -> dict[str, Any]:
+    """The answer of the batch write routes: one result per record, in order, and counts."""
+    results = []
+    for uid, outcome in zip(uids, outcomes):
+        state.writes.labels(outcome.outcome).inc()
+        results.append({"uid": uid, "outcome": outcome.outcome, "reason": outcome.reason,
+                        "group_completed": outcome.outcome == "completed"})
+    counts = {name: sum(1 for o in outcomes if o.outcome == name) for name in ("stored", "completed", "duplicate", "dropped")}
+    return {"success": counts["dropped"] == 0, "run_id": run_id,
+            "message": f"{counts['stored'] + counts['completed']} stored, {counts['duplicate']} duplicate(s), "
+                       f"{counts['dropped']} dropped",
+            "data": {"results": results, **counts}}
+
+
+@router.post("/buffer/write", openapi_extra=json_body(TrajectoryRecord))
+async def buffer_write(request: Request) -> Any:
+    """Store one trajectory; idempotent by uid. Attaches to the active run unless `run_id` is given."""
+    record = await parse_body(request, TrajectoryRecord)
+    state = state_of(request)
+    run_id = record.run_id or await state.store.active_run()
+    if run_id is None:
+        return error_response(409, "no active run: start one with POST /start_rollout "
+                                   "(or give the record a run_id)")
+    outcome = await state.store.write_record(run_id, record.to_store())
+    if outcome.reason == "unknown_run":  # checked inside the write script: no extra round trip
+        return error_response(404, f"unknown run_id {run_id!r}")
+    state.writes.labels(outcome.outcome).inc()
+    data = {"uid": record.uid, "run_id": run_id, "outcome": outcome.outcome}
+    if outcome.outcome == "dropped":
+        if outcome.reason == "skipped_instance":
+            return {"success": False, "message": f"instance {record.instance_id} is skipped in this run; "
+                                                 "not stored (counted)", "data": data}
+        return error_response(409, f"record {record.uid} not stored: {outcome.reason.replace('_', ' ')} "
+                                   f"(group of instance {record.instance_id} is closed or full)")
+    message = "already stored (duplicate uid)" if outcome.outcome == "duplicate" else "stored"
+    return {"success": True, "message": message, "data": {**data, "group_completed": outcome.outcome == "completed"}}
+
+
+@router.post("/buffer/write_batch", openapi_extra=json_body(BatchWriteRequest))
+async def buffer_write_batch(request: Request) -> Any:
+    """Store many trajectories in one request and one Redis round trip; same rules as /buffer/write.
+    The whole batch is validated first: one bad record refuses the batch and stores nothing."""
+    body = await parse_body(request, BatchWriteRequest)
+    state = state_of(request)
+    run_id = body.run_id or await state.store.active_run()
+    if run_id is None:
+        return error_response(409, "no active run: start one with POST /start_rollout (or give run_id)")
+    if not await state.store.run_exists(run_id):
+        return error_response(404, f"unknown run_id {run_id!r}")
+    foreign = [r.uid for r in body.records if r.run_id not in (None, run_id)]
+    if foreign:
+        return error_response(422, f"records {foreign[:5]} name another run than {run_id!r}")
+    outcomes = await state.store.write_records(run_id, [r.to_store() for r in body.records])
+    return batch_answer(state, run_id, [r.uid for r in body.records], outcomes)
+
+
+@router.post("/buffer/write_packed", openapi_extra={"requestBody": {"required": True, "content": {
+    CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
+async def buffer_write_packed(request: Request, run_id: str | None = None) -> Any:
+    """Store many records sent in the store's packed binary form (see `rollout_buffer.packed_batch`):
+    the fastest ingest path, no JSON token lists. All-or-nothing validation, like /buffer/write_batch."""
+    try:
+        items = decode_batch(await request.body())
+    except PackedBatchError as exc:
+        return error_response(422, f"invalid packed batch: {exc}")
+    state = state_of(request)
+    run_id = run_id or items[0].fields.get("run_id") or await state.store.active_run()
+    if run_id is None:
+        return error_response(409, "no active run: start one with POST /start_rollout (or give ?run_id=)")
+    foreign = [i.fields["uid"] for i in items if i.fields.get("run_id") not in (None, run_id)]
+    if foreign:
+        return error_response(422, f"records {foreign[:5]} name another run than {run_id!r}")
+    if not await state.store.run_exists(run_id):
+        return error_response(404, f"unknown run_id {run_id!r}")
+    outcomes = await state.store.write_records(run_id, [i.fields for i in items],
+                                               blobs=[stamped_blob(i, run_id) for i in items])
+    return batch_answer(state, run_id, [i.fields["uid"] for i in items], outcomes)
+
+
+@bench_router.post("/_bench/parse_only")
+async def bench_parse_only(request: Request) -> Any:
+    """Benchmark baseline (`--bench-routes`): the same body parsing as /buffer/write, and nothing else."""
+    record = await parse_body(request, TrajectoryRecord)
+    return {"success": True, "message": "parsed", "data": {"uid": record.uid}}
