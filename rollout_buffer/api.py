@@ -20,6 +20,7 @@ from rollout_buffer.app_state import AppState
 from rollout_buffer.bodies import install_openapi
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.http_errors import BodySizeLimit, install_error_handlers
+from rollout_buffer.maintenance import maintain
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
 from rollout_buffer.responses import OrjsonResponse
@@ -38,20 +39,6 @@ def _default_runtime(store: Store, registry: TaskRegistry, settings: Settings) -
     from rollout_buffer.runtime import build_runtime
 
     return build_runtime(store, registry, settings)
-
-
-async def _sweep_group_timeouts(state: AppState) -> None:
-    """Applies the group-timeout policy to the active run's incomplete groups, a few times a timeout."""
-    timeout = state.settings.group_timeout_s
-    assert timeout is not None
-    while True:
-        await asyncio.sleep(max(timeout / 4, 0.05))
-        try:
-            run_id = await state.store.active_run()
-            if run_id:
-                await state.store.expire_groups(run_id, timeout, state.settings.group_timeout_policy)
-        except Exception:
-            log.exception("group timeout sweep failed")
 
 
 def tune_gc() -> None:
@@ -91,14 +78,13 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         app.state.buffer = state
         app.state.remote = RemoteService(store, registry, settings)
         await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
-        sweeper = asyncio.create_task(_sweep_group_timeouts(state)) if settings.group_timeout_s else None
+        upkeep = asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep")
         tune_gc()
         log.info("rollout-buffer ready on redis %s with tasks %s", url, sorted(registry.tasks))
         try:
             yield
         finally:
-            if sweeper is not None:
-                sweeper.cancel()
+            upkeep.cancel()
             await app.state.remote.stop()
             await state.runtime.shutdown()
             await store.close()

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
     serve.add_argument("--group-timeout-s", type=float, help="close incomplete groups after this long (off by default)")
     serve.add_argument("--group-timeout-policy", choices=["hand_over", "drop"], help="what a group timeout does")
+    serve.add_argument("--retain-runs", type=int, help="keep at most N runs: retired runs beyond the N newest "
+                                                       "are deleted (default: keep all)")
+    serve.add_argument("--run-ttl-s", type=float, help="delete a retired run this many seconds after it ended "
+                                                       "(default: keep)")
 
     worker = sub.add_parser("worker", help="run rollout workers against a shared Redis")
     _server_flags(worker)

@@ -14,8 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rollout_buffer.responses import OrjsonResponse
 
 
-def error_response(status_code: int, message: str, errors: list[dict[str, Any]] | None = None) -> OrjsonResponse:
-    body: dict[str, Any] = {"success": False, "message": message}
+def error_response(status_code: int, message: str, errors: list[dict[str, Any]] | None = None,
+                   extra: dict[str, Any] | None = None) -> OrjsonResponse:
+    body: dict[str, Any] = {"success": False, "message": message, **(extra or {})}
     if errors:
         body["errors"] = errors
     return OrjsonResponse(body, status_code=status_code)

@@ -1,153 +1,312 @@
 """Lua scripts for the multi-key updates that must be atomic (see `rollout_buffer.keys` for the layout).
 
-Each script touches only keys of one run (one hash tag), so it is valid on Redis Cluster too. Group keys
-are built inside the scripts from the run's group prefix; they share the run's hash tag.
+Every script touches only keys of one run, all declared in KEYS (legal on a Redis Cluster: one run, one
+hash slot). Group ids are `"{epoch}:{instance_id}"`; a group's members are the fields `"{gid}|{k}"` of the
+members hash. A batch read with a lease keeps its groups' records until it is acknowledged; an expired
+lease puts its groups back at the head of the ready list.
 """
 
-# KEYS: 1 records 2 pending 3 ready 4 stats 5 since 6 wake 7 skip 8 closed 9 meta 10 since_groups
-# ARGV: 1 uid 2 blob 3 group_prefix 4 instance_id 5 epoch (-1: first epoch whose group is still open)
-#       6 now 7 reward 8 status
-# Returns {outcome, group_key_or_reason}; outcome is stored | completed | duplicate | dropped
-# (reasons: unknown_run, skipped_instance, epoch_out_of_range, late_write, group_overflow).
-WRITE_RECORD = """
+# Shared functions, prepended to the scripts that need them.
+_GROUP_FUNCTIONS = """
+local function member_fields(gid, n)
+  local fields = {}
+  for k = 1, n do fields[k] = gid .. '|' .. k end
+  return fields
+end
+-- {uid1, blob1, uid2, blob2, ...} of a group (a blob is false if its record is missing)
+local function group_pairs(k_gsize, k_members, k_records, gid)
+  local n = tonumber(redis.call('HGET', k_gsize, gid) or '0')
+  if n == 0 then return {} end
+  local uids = redis.call('HMGET', k_members, unpack(member_fields(gid, n)))
+  local present = {}
+  for _, uid in ipairs(uids) do if uid then present[#present + 1] = uid end end
+  if #present == 0 then return {} end
+  local blobs = redis.call('HMGET', k_records, unpack(present))
+  local out = {}
+  for i = 1, #present do
+    out[2 * i - 1] = present[i]
+    out[2 * i] = blobs[i]
+  end
+  return out
+end
+-- deletes a group's records and membership; returns how many members it had
+local function delete_group(k_gsize, k_members, k_records, gid)
+  local n = tonumber(redis.call('HGET', k_gsize, gid) or '0')
+  if n > 0 then
+    local fields = member_fields(gid, n)
+    local uids = redis.call('HMGET', k_members, unpack(fields))
+    local present = {}
+    for _, uid in ipairs(uids) do if uid then present[#present + 1] = uid end end
+    if #present > 0 then redis.call('HDEL', k_records, unpack(present)) end
+    redis.call('HDEL', k_members, unpack(fields))
+  end
+  redis.call('HDEL', k_gsize, gid)
+  return n
+end
+local function wake(k_wake)
+  redis.call('RPUSH', k_wake, '1')
+  redis.call('LTRIM', k_wake, -64, -1)
+end
+-- Puts the groups of leases due by `now` back at the head of the ready list (batch order kept) and
+-- remembers the batch as expired (negative score in `settled`). Returns how many leases ended.
+local function expire_leases(k_leases, k_lease_data, k_ready, k_stats, k_wake, k_settled, now, limit, counter)
+  local due = redis.call('ZRANGEBYSCORE', k_leases, '-inf', now, 'LIMIT', 0, limit)
+  for _, bid in ipairs(due) do
+    local raw = redis.call('HGET', k_lease_data, bid)
+    if raw then
+      local groups = cjson.decode(raw)['groups']
+      for i = #groups, 1, -1 do redis.call('LPUSH', k_ready, groups[i]) end
+      redis.call('HINCRBY', k_stats, counter, 1)
+      redis.call('HINCRBY', k_stats, counter .. '_groups', #groups)
+      wake(k_wake)
+    end
+    redis.call('HDEL', k_lease_data, bid)
+    redis.call('ZREM', k_leases, bid)
+    redis.call('ZADD', k_settled, -now, bid)
+  end
+  redis.call('ZREMRANGEBYRANK', k_settled, 0, -10001)
+  return #due
+end
+"""
+
+# KEYS: 1 records 2 pending 3 ready 4 stats 5 since 6 wake 7 skip 8 closed 9 meta 10 since_groups 11 uids
+#       12 gsize 13 members
+# ARGV: 1 uid 2 blob 3 instance_id 4 epoch (-1: first epoch whose group is still open) 5 now 6 reward 7 status
+# Returns {outcome, gid_or_reason}; outcome is stored | completed | duplicate | dropped
+# (reasons: unknown_run, run_superseded, skipped_group, epoch_out_of_range, late_write, group_overflow).
+WRITE_RECORD = _GROUP_FUNCTIONS + """
+local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch', 'status')
+if not run[1] or run[3] == 'deleted' then
+  return {'dropped', 'unknown_run'}
+end
+if run[3] == 'superseded' then
+  redis.call('HINCRBY', KEYS[4], 'drop:run_superseded', 1)
+  return {'dropped', 'run_superseded'}
+end
 local uid = ARGV[1]
-if redis.call('HEXISTS', KEYS[1], uid) == 1 then
+if redis.call('SISMEMBER', KEYS[11], uid) == 1 then
   redis.call('HINCRBY', KEYS[4], 'duplicate_writes', 1)
   return {'duplicate', ''}
 end
-local iid = ARGV[4]
-if redis.call('SISMEMBER', KEYS[7], iid) == 1 then
-  redis.call('HINCRBY', KEYS[4], 'drop:skipped_instance', 1)
-  return {'dropped', 'skipped_instance'}
-end
-local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch')
-if not run[1] then
-  return {'dropped', 'unknown_run'}
-end
+local iid = ARGV[3]
 local group_size = tonumber(run[1])
 local num_epoch = tonumber(run[2])
-local epoch = tonumber(ARGV[5])
-local gkey
+local epoch = tonumber(ARGV[4])
+local gid
 if epoch < 0 then
   epoch = 0
-  gkey = ARGV[3] .. epoch .. ':' .. iid
-  while epoch < num_epoch - 1 and (redis.call('SISMEMBER', KEYS[8], gkey) == 1
-        or redis.call('HLEN', gkey) >= group_size) do
+  gid = epoch .. ':' .. iid
+  while epoch < num_epoch - 1 and (redis.call('SISMEMBER', KEYS[8], gid) == 1
+        or redis.call('SISMEMBER', KEYS[7], gid) == 1
+        or tonumber(redis.call('HGET', KEYS[12], gid) or '0') >= group_size) do
     epoch = epoch + 1
-    gkey = ARGV[3] .. epoch .. ':' .. iid
+    gid = epoch .. ':' .. iid
   end
 else
   if epoch >= num_epoch then
     redis.call('HINCRBY', KEYS[4], 'drop:epoch_out_of_range', 1)
     return {'dropped', 'epoch_out_of_range'}
   end
-  gkey = ARGV[3] .. epoch .. ':' .. iid
+  gid = epoch .. ':' .. iid
 end
-if redis.call('SISMEMBER', KEYS[8], gkey) == 1 then
+if redis.call('SISMEMBER', KEYS[7], gid) == 1 then
+  redis.call('HINCRBY', KEYS[4], 'drop:skipped_group', 1)
+  return {'dropped', 'skipped_group'}
+end
+if redis.call('SISMEMBER', KEYS[8], gid) == 1 then
   redis.call('HINCRBY', KEYS[4], 'drop:late_write', 1)
   return {'dropped', 'late_write'}
 end
-local size = redis.call('HLEN', gkey)
+local size = tonumber(redis.call('HGET', KEYS[12], gid) or '0')
 if size >= group_size then
   redis.call('HINCRBY', KEYS[4], 'drop:group_overflow', 1)
   return {'dropped', 'group_overflow'}
 end
 redis.call('HSET', KEYS[1], uid, ARGV[2])
-redis.call('HSET', gkey, uid, '1')
+redis.call('SADD', KEYS[11], uid)
 size = size + 1
+redis.call('HSET', KEYS[12], gid, size)
+redis.call('HSET', KEYS[13], gid .. '|' .. size, uid)
 if size == 1 then
-  redis.call('ZADD', KEYS[2], ARGV[6], gkey)
+  redis.call('ZADD', KEYS[2], ARGV[5], gid)
 end
 redis.call('HINCRBY', KEYS[4], 'records_written', 1)
-redis.call('HINCRBY', KEYS[4], 'status:' .. ARGV[8], 1)
+redis.call('HINCRBY', KEYS[4], 'status:' .. ARGV[7], 1)
 redis.call('HINCRBY', KEYS[5], 'total_samples', 1)
-redis.call('HINCRBYFLOAT', KEYS[5], 'reward_sum', ARGV[7])
-redis.call('HINCRBY', KEYS[5], 'status:' .. ARGV[8], 1)
-redis.call('SADD', KEYS[10], gkey)
+redis.call('HINCRBYFLOAT', KEYS[5], 'reward_sum', ARGV[6])
+redis.call('HINCRBY', KEYS[5], 'status:' .. ARGV[7], 1)
+redis.call('SADD', KEYS[10], gid)
 if size == group_size then
-  redis.call('ZREM', KEYS[2], gkey)
-  redis.call('SADD', KEYS[8], gkey)
-  redis.call('RPUSH', KEYS[3], gkey)
+  redis.call('ZREM', KEYS[2], gid)
+  redis.call('SADD', KEYS[8], gid)
+  redis.call('RPUSH', KEYS[3], gid)
   redis.call('HINCRBY', KEYS[4], 'groups_completed', 1)
-  redis.call('RPUSH', KEYS[6], '1')
-  redis.call('LTRIM', KEYS[6], -64, -1)
-  return {'completed', gkey}
+  wake(KEYS[6])
+  return {'completed', gid}
 end
-return {'stored', gkey}
+return {'stored', gid}
 """
 
-# KEYS: 1 ready 2 records 3 handed 4 stats 5 since 6 since_groups 7 timed_out
-# ARGV: 1 max_samples (-1: no limit) 2 group_prefix
-# Pops whole groups from the head of the ready list while they fit in max_samples, deletes their
-# records, and resets the since-previous-read counters when anything was handed over.
-# Returns {since_flat, num_since_groups, timed_out_list, {gkey, {uid, blob, ...}}, ...}.
-READ_READY = """
+# KEYS: 1 ready 2 records 3 handed 4 stats 5 since 6 since_groups 7 timed_out 8 gsize 9 members
+#       10 leases 11 lease_data 12 settled 13 wake
+# ARGV: 1 max_samples (-1: no limit) 2 lease_s (0: no lease) 3 batch_id ('' with no lease) 4 now
+# First ends due leases. A batch_id whose lease is live is a retry: the same groups, lease renewed
+# ({'retry', lease JSON, groups...}); an acknowledged one answers {'acked', ''}. Otherwise pops whole groups
+# from the head of the ready list while they fit in max_samples and resets the since-previous-read
+# counters. With a lease the groups stay stored under the batch ({'leased', lease JSON, groups...});
+# without, they are deleted and marked handed over ({'handed', info JSON, groups...}).
+# Each group is {gid, {uid, blob, ...}}. Nothing ready: {'empty', ''}.
+READ_READY = _GROUP_FUNCTIONS + """
+local now = tonumber(ARGV[4])
+local lease_s = tonumber(ARGV[2])
+local bid = ARGV[3]
+expire_leases(KEYS[10], KEYS[11], KEYS[1], KEYS[4], KEYS[13], KEYS[12], now, 1000, 'lease_expired')
+if bid ~= '' then
+  local raw = redis.call('HGET', KEYS[11], bid)
+  if raw then
+    if lease_s > 0 then redis.call('ZADD', KEYS[10], now + lease_s, bid) end
+    redis.call('HINCRBY', KEYS[4], 'batch_retries', 1)
+    local out = {'retry', raw}
+    for _, gid in ipairs(cjson.decode(raw)['groups']) do
+      out[#out + 1] = {gid, group_pairs(KEYS[8], KEYS[9], KEYS[2], gid)}
+    end
+    return out
+  end
+  local settled = redis.call('ZSCORE', KEYS[12], bid)
+  if settled and tonumber(settled) > 0 then return {'acked', ''} end
+end
 local max_samples = tonumber(ARGV[1])
-local prefix_len = string.len(ARGV[2])
 local taken = 0
+local gids = {}
 local groups = {}
 while true do
-  local gkey = redis.call('LINDEX', KEYS[1], 0)
-  if not gkey then break end
-  local uids = redis.call('HKEYS', gkey)
-  if max_samples >= 0 and taken + #uids > max_samples then break end
+  local gid = redis.call('LINDEX', KEYS[1], 0)
+  if not gid then break end
+  local n = tonumber(redis.call('HGET', KEYS[8], gid) or '0')
+  if max_samples >= 0 and taken + n > max_samples then break end
   redis.call('LPOP', KEYS[1])
-  local pairs_out = {}
-  if #uids > 0 then
-    local blobs = redis.call('HMGET', KEYS[2], unpack(uids))
-    for i = 1, #uids do
-      pairs_out[2 * i - 1] = uids[i]
-      pairs_out[2 * i] = blobs[i]
-    end
-    redis.call('HDEL', KEYS[2], unpack(uids))
-  end
-  redis.call('DEL', gkey)
-  local rest = string.sub(gkey, prefix_len + 1)
-  local sep = string.find(rest, ':', 1, true)
-  redis.call('SADD', KEYS[3], string.sub(rest, sep + 1))
-  taken = taken + #uids
-  groups[#groups + 1] = {gkey, pairs_out}
+  groups[#groups + 1] = {gid, group_pairs(KEYS[8], KEYS[9], KEYS[2], gid)}
+  gids[#gids + 1] = gid
+  taken = taken + n
 end
 if #groups == 0 then
-  return {{}, 0, {}}
+  return {'empty', ''}
 end
-redis.call('HINCRBY', KEYS[4], 'groups_handed', #groups)
-redis.call('HINCRBY', KEYS[4], 'samples_handed', taken)
-local since = redis.call('HGETALL', KEYS[5])
-local num_groups = redis.call('SCARD', KEYS[6])
--- UNLINK: the since-groups set may hold a whole backlog's group keys; free it off the main thread
-redis.call('UNLINK', KEYS[5], KEYS[6])
-local timed_out = redis.call('LRANGE', KEYS[7], 0, -1)
-redis.call('DEL', KEYS[7])
-local out = {since, num_groups, timed_out}
+local info = {groups = gids, since = redis.call('HGETALL', KEYS[5]), num_since_groups = redis.call('SCARD', KEYS[6]),
+              timed_out = redis.call('LRANGE', KEYS[7], 0, -1), created = now}
+-- UNLINK: the since-groups set may hold a whole backlog's group ids; free it off the main thread
+redis.call('UNLINK', KEYS[5], KEYS[6], KEYS[7])
+local kind = 'handed'
+if lease_s > 0 then
+  kind = 'leased'
+  info['lease_s'] = lease_s
+  redis.call('HSET', KEYS[11], bid, cjson.encode(info))
+  redis.call('ZADD', KEYS[10], now + lease_s, bid)
+  redis.call('ZREM', KEYS[12], bid)
+  redis.call('HINCRBY', KEYS[4], 'batches_leased', 1)
+else
+  for _, gid in ipairs(gids) do
+    delete_group(KEYS[8], KEYS[9], KEYS[2], gid)
+    redis.call('SADD', KEYS[3], gid)
+  end
+  redis.call('HINCRBY', KEYS[4], 'groups_handed', #gids)
+  redis.call('HINCRBY', KEYS[4], 'samples_handed', taken)
+end
+local out = {kind, cjson.encode(info)}
 for i = 1, #groups do out[#out + 1] = groups[i] end
 return out
 """
 
-# KEYS: 1 pending 2 ready 3 closed 4 stats 5 wake 6 records 7 timed_out
-# ARGV: 1 cutoff (first-write time) 2 policy (hand_over | drop) 3 limit 4 group_prefix
+# KEYS: 1 leases 2 lease_data 3 settled 4 records 5 gsize 6 members 7 handed 8 stats
+# ARGV: 1 batch_id 2 now
+# Ends a lease for good: its groups are deleted and marked handed over, the hooks' outcome stored with
+# the lease is counted. Returns {outcome, groups}: acked | already_acked | expired | unknown.
+ACK_BATCH = _GROUP_FUNCTIONS + """
+local bid = ARGV[1]
+local raw = redis.call('HGET', KEYS[2], bid)
+if not raw then
+  local settled = redis.call('ZSCORE', KEYS[3], bid)
+  if settled and tonumber(settled) > 0 then return {'already_acked', 0} end
+  if settled then
+    redis.call('HINCRBY', KEYS[8], 'late_acks', 1)
+    return {'expired', 0}
+  end
+  return {'unknown', 0}
+end
+local lease = cjson.decode(raw)
+local samples = 0
+for _, gid in ipairs(lease['groups']) do
+  samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], gid)
+  redis.call('SADD', KEYS[7], gid)
+end
+redis.call('HINCRBY', KEYS[8], 'groups_handed', #lease['groups'])
+redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
+redis.call('HINCRBY', KEYS[8], 'batches_acked', 1)
+local filtered = tonumber(lease['filtered'] or 0)
+if filtered > 0 then
+  redis.call('HINCRBY', KEYS[8], 'groups_filtered', filtered)
+  redis.call('HINCRBY', KEYS[8], 'drop:filtered_group', filtered)
+end
+local hook_errors = tonumber(lease['hook_errors'] or 0)
+if hook_errors > 0 then
+  redis.call('HINCRBY', KEYS[8], 'drop:hook_error', hook_errors)
+end
+redis.call('HDEL', KEYS[2], bid)
+redis.call('ZREM', KEYS[1], bid)
+redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), bid)
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -10001)
+return {'acked', #lease['groups']}
+"""
+
+# KEYS: 1 lease_data. ARGV: 1 batch_id 2 filtered groups 3 hook-error groups.
+# Stores what the read's group hooks decided, to be counted when the batch is acknowledged.
+SET_LEASE_OUTCOME = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local lease = cjson.decode(raw)
+lease['filtered'] = tonumber(ARGV[2])
+lease['hook_errors'] = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(lease))
+return 1
+"""
+
+# KEYS: 1 leases 2 lease_data 3 ready 4 stats 5 wake 6 settled. ARGV: 1 now 2 limit 3 counter name.
+# Ends leases due by `now` (a huge `now` releases them all, e.g. when a new trainer session starts).
+EXPIRE_LEASES = _GROUP_FUNCTIONS + """
+return expire_leases(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[1]),
+                     tonumber(ARGV[2]), ARGV[3])
+"""
+
+# KEYS: 1 pending 2 ready 3 closed 4 stats 5 wake 6 records 7 timed_out 8 gsize 9 members 10 meta
+# ARGV: 1 cutoff (first-write time) 2 policy (hand_over | drop) 3 limit
 # Closes incomplete groups whose first write is older than the cutoff. Returns the number closed.
-EXPIRE_GROUPS = """
+EXPIRE_GROUPS = _GROUP_FUNCTIONS + """
+if redis.call('EXISTS', KEYS[10]) == 0 then return 0 end
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local prefix_len = string.len(ARGV[4])
-for _, gkey in ipairs(expired) do
-  redis.call('ZREM', KEYS[1], gkey)
-  redis.call('SADD', KEYS[3], gkey)
+for _, gid in ipairs(expired) do
+  redis.call('ZREM', KEYS[1], gid)
+  redis.call('SADD', KEYS[3], gid)
   if ARGV[2] == 'hand_over' then
-    redis.call('RPUSH', KEYS[2], gkey)
+    redis.call('RPUSH', KEYS[2], gid)
     redis.call('HINCRBY', KEYS[4], 'groups_timed_out_handed', 1)
-    redis.call('RPUSH', KEYS[5], '1')
-    redis.call('LTRIM', KEYS[5], -64, -1)
+    wake(KEYS[5])
   else
-    local uids = redis.call('HKEYS', gkey)
-    if #uids > 0 then
-      redis.call('HDEL', KEYS[6], unpack(uids))
-    end
-    redis.call('DEL', gkey)
+    local n = delete_group(KEYS[8], KEYS[9], KEYS[6], gid)
     redis.call('HINCRBY', KEYS[4], 'drop:group_timeout', 1)
-    redis.call('HINCRBY', KEYS[4], 'drop:group_timeout_samples', #uids)
-    redis.call('RPUSH', KEYS[7], string.sub(gkey, prefix_len + 1))
+    redis.call('HINCRBY', KEYS[4], 'drop:group_timeout_samples', n)
+    redis.call('RPUSH', KEYS[7], gid)
   end
 end
 return #expired
+"""
+
+# KEYS: 1 meta 2 stats. ARGV: (name, amount) pairs. Adds to the run's counters unless the run is gone
+# (a counter must not re-create the keys of a deleted run).
+INCR_STATS = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'deleted' then return 0 end
+for i = 1, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+return 1
 """

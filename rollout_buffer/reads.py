@@ -1,8 +1,10 @@
-"""`/get_rollout_data`: pop ready groups, run the task's group hooks, build `meta_info`.
+"""`/get_rollout_data`: take ready groups, run the task's group hooks, build `meta_info`.
 
-Hooks run at hand-over time, in the reading process, so a group is filtered or transformed exactly once
-(the pop is atomic). A filtered group's instance id is still reported in `finished_groups`: it was
-consumed, and a resumed run must not roll it out again.
+Hooks run at hand-over time, in the reading process. A filtered group's instance id is still reported in
+`finished_groups` (and its group key in `finished_group_keys`): it was consumed, and a resumed run must
+not roll it out again. For a leased batch the filter counts are stored with the lease and counted when it
+is acknowledged, so a batch read twice (a retry, or again after its lease ran out) is counted once; a
+retry re-runs the hooks on the same records, so hooks must be deterministic (slime's are).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import logging
 import time
 from typing import Any
 
-from rollout_buffer.store import ReadBatch, Store
+from rollout_buffer import handover
+from rollout_buffer.handover import ReadBatch
+from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskModule
 
 log = logging.getLogger(__name__)
@@ -22,6 +26,7 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
                  ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, list[dict[str, Any]]]]:
     records: list[dict[str, Any]] = []
     finished: list[str] = []
+    finished_keys: list[str] = []
     filtered: list[str] = []
     hook_errors: list[str] = []
     temp_data: dict[str, list[dict[str, Any]]] = {}
@@ -30,6 +35,7 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
         for item in items:
             item["epoch"] = group.epoch
         finished.append(group.instance_id)
+        finished_keys.append(group.gid)
         temp_data.setdefault(group.instance_id, []).extend(items)
         if task is None:
             records.extend(items)
@@ -46,7 +52,8 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
             records.extend(items)
         else:
             filtered.append(group.instance_id)
-    info = {"finished_groups": finished, "filtered_groups": filtered, "hook_error_groups": hook_errors}
+    info = {"finished_groups": finished, "finished_group_keys": finished_keys, "filtered_groups": filtered,
+            "hook_error_groups": hook_errors}
     return records, info, temp_data
 
 
@@ -68,32 +75,42 @@ def _meta_info(batch: ReadBatch, info: dict[str, Any], records: list[dict[str, A
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
         **info,
     }
+    if batch.kind in ("leased", "retry"):
+        meta["batch_id"] = batch.batch_id
+        meta["lease_s"] = batch.lease_s
+        meta["retry"] = batch.kind == "retry"
     return meta
 
 
 async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, *, num: int | None,
-                            wait_s: float, min_valid_group_size: int) -> dict[str, Any]:
-    """The `/get_rollout_data` answer for `run_id` (see DESIGN.md's wire contract)."""
+                            wait_s: float, min_valid_group_size: int, lease_s: float = 0.0,
+                            batch_id: str = "") -> dict[str, Any]:
+    """The `/get_rollout_data` answer for `run_id` (see DESIGN.md's wire contract). With `lease_s` the
+    groups are leased under `batch_id` until acknowledged (`handover.ack_batch`)."""
     deadline = time.monotonic() + wait_s
     while True:
-        batch = await store.read_ready(run_id, num)
+        batch = await handover.read_ready(store, run_id, num, lease_s=lease_s, batch_id=batch_id)
+        if batch.kind == "acked":
+            return empty(f"batch {batch_id} was already acknowledged; read with a new batch_id for more data",
+                         {"batch_id": batch_id, "acknowledged": True})
         if batch.groups:
             break
-        head = await store.head_group_size(run_id)
+        head = await handover.head_group_size(store, run_id)
         if head is not None and num is not None and head > num:
-            return _empty(f"num={num} is smaller than the next ready group ({head} records); "
-                          "ask for at least one whole group")
+            return empty(f"num={num} is smaller than the next ready group ({head} records); "
+                         "ask for at least one whole group")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return _empty("no group is ready")
-        await store.wait_for_ready(run_id, remaining)
+            return empty("no group is ready")
+        await handover.wait_for_ready(store, run_id, remaining)
     task_type = task.task_type if task else ""
     records, info, temp_data = await asyncio.to_thread(_apply_hooks, batch, task, task_type, min_valid_group_size)
-    if info["filtered_groups"]:
-        await store.incr_stat(run_id, "groups_filtered", len(info["filtered_groups"]))
-        await store.incr_stat(run_id, "drop:filtered_group", len(info["filtered_groups"]))
-    if info["hook_error_groups"]:
-        await store.incr_stat(run_id, "drop:hook_error", len(info["hook_error_groups"]))
+    filtered, hook_errors = len(info["filtered_groups"]), len(info["hook_error_groups"])
+    if batch.kind == "leased":
+        await handover.set_lease_outcome(store, run_id, batch_id, filtered=filtered, hook_errors=hook_errors)
+    elif batch.kind == "handed":
+        await store.incr_stats(run_id, {"groups_filtered": filtered, "drop:filtered_group": filtered,
+                                        "drop:hook_error": hook_errors})
     meta = _meta_info(batch, info, records, await store.stats(run_id))
     meta["run_id"] = run_id
     if task is not None and task.get_group_data_meta_info is not None:
@@ -103,10 +120,11 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
             log.exception("get_group_data_meta_info of task %s failed", task_type)
     return {
         "success": bool(records) or bool(info["finished_groups"]),
-        "message": f"{len(info['finished_groups'])} group(s), {len(records)} sample(s)",
+        "message": f"{len(info['finished_groups'])} group(s), {len(records)} sample(s)"
+                   + (f" (batch {batch_id}, leased for {batch.lease_s:g} s)" if batch_id else ""),
         "data": {"data": records, "meta_info": meta},
     }
 
 
-def _empty(message: str) -> dict[str, Any]:
-    return {"success": False, "message": message, "data": {"data": [], "meta_info": {}}}
+def empty(message: str, meta_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"success": False, "message": message, "data": {"data": [], "meta_info": meta_info or {}}}

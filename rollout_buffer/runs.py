@@ -1,14 +1,21 @@
 """Run lifecycle: turning a `/start_rollout` body into a stored run and handing it to the runtime.
 
 A run's id is derived from the settings that define its data (task, input file, epochs, repeats,
-sampling), so the same `/start_rollout` sent again lands on the same run:
+sampling), so the same `/start_rollout` sent again lands on the same run. What the trainer has trained is
+a set of groups, each `"<epoch>:<instance_id>"`:
 
-* without `skip_instance_ids` (the buffer restarted, or the trainer has no checkpoint metadata) it
-  resumes: nothing new starts, and the instance ids already handed over are skipped without being told;
-* with `skip_instance_ids` (the trainer resumed from a checkpoint), those ids are the truth about what
-  was trained. If the buffer handed over groups the checkpoint does not contain, they were lost with the
-  trainer, so the run is superseded by a new generation (`<id>.r<n>`) that rolls out everything except
-  exactly the trained ids. Nothing handed over but untrained is ever silently dropped.
+* `skip_groups` names them exactly (this project's adapter sends `meta_info.finished_group_keys` back);
+* `skip_instance_ids` is slime's form: one instance id per trained group, so an id listed k times stands
+  for k of its groups (those the buffer handed over, else its first epochs), as slime's own generator
+  reads that list;
+* neither field (the buffer restarted under a live trainer, or a hand-written request): every group the
+  buffer has handed over counts as trained.
+
+A start that names what was trained (either field, even empty: a trainer with no checkpoint) is the
+truth. If the buffer handed over groups the trainer does not have, they were lost with a crashed trainer,
+so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every group except exactly the
+trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
+and batches leased to the previous trainer session are released at once (one trainer per run).
 
 Pass `run_id` explicitly to start a separate run with the same settings.
 """
@@ -16,19 +23,25 @@ Pass `run_id` explicitly to start a separate run with the same settings.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 
+from rollout_buffer import handover, keys
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskModule, TaskRegistry
 
+log = logging.getLogger(__name__)
+
 # Fields that do not change what a run produces, so they do not change its id.
-_NOT_IDENTITY = {"skip_instance_ids", "remote_buffer_url", "remote_engine_url", "num_process", "run_id"}
+_NOT_IDENTITY = {"skip_instance_ids", "skip_groups", "remote_buffer_url", "remote_engine_url", "num_process",
+                 "run_id"}
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -49,7 +62,7 @@ class RunSpec:
     request: StartRolloutRequest
     task: TaskModule
     created: bool
-    excluded_ids: set[str] = field(default_factory=set)
+    excluded_groups: set[str] = field(default_factory=set)
 
     @property
     def group_size(self) -> int:
@@ -105,29 +118,60 @@ async def _current_generation(store: Store, run_id: str) -> tuple[str, int]:
     raise RuntimeError(f"run {run_id}: superseded_by links form a cycle")
 
 
+def names_trained_groups(request: StartRolloutRequest) -> bool:
+    """Whether the start says what the trainer has trained (either skip field sent, even empty)."""
+    return bool({"skip_groups", "skip_instance_ids"} & request.model_fields_set)
+
+
+def trained_groups(request: StartRolloutRequest, handed: set[str]) -> set[str]:
+    """The group keys the trainer has trained: `skip_groups`, plus slime's `skip_instance_ids` read as one
+    entry per trained group (see the module docstring); `handed` is what the buffer handed over."""
+    trained = set(request.skip_groups)
+    handed_epochs: dict[str, list[int]] = {}
+    for key in handed:
+        epoch, instance_id = keys.parse_gid(key)
+        handed_epochs.setdefault(instance_id, []).append(epoch)
+    for instance_id, count in Counter(request.skip_instance_ids).items():
+        epochs = sorted(handed_epochs.get(instance_id, []))[:count]
+        spare = (e for e in range(request.num_epoch) if e not in epochs)
+        epochs += [e for e, _ in zip(spare, range(count - len(epochs)))]
+        trained.update(keys.gid(e, instance_id) for e in epochs)
+    return trained
+
+
 async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutRequest,
                     runtime: Runtime | None = None) -> RunSpec:
-    """Create (or find) the run, record skip ids, make it the active run. Launching is the caller's.
-    Everything that can refuse the request runs before anything is stored."""
+    """Create (or find) the run, record what was trained, make it the active run. Launching is the
+    caller's. Everything that can refuse the request runs before anything is stored."""
     task = validate_start(request, registry)
     if runtime is not None:
         await runtime.check(request, task)
     base_id = request.run_id or derive_run_id(request)
     run_id, generation = await _current_generation(store, base_id)
-    if request.skip_instance_ids and await store.run_exists(run_id):
-        untrained = await store.handed_ids(run_id) - set(request.skip_instance_ids)
+    exists = await store.run_exists(run_id)
+    handed = await store.handed_groups(run_id) if exists else set()
+    trained = trained_groups(request, handed) if names_trained_groups(request) else set()
+    if exists and names_trained_groups(request):
+        untrained = handed - trained
         if untrained:
             successor = f"{base_id}.r{generation + 1}"
-            await store.supersede(run_id, successor, reason=f"{len(untrained)} handed-over instance id(s) "
-                                                             "missing from the trainer's skip_instance_ids")
-            run_id = successor
+            await store.supersede(run_id, successor, reason=f"{len(untrained)} handed-over group(s) missing "
+                                                             "from what the trainer says it trained")
+            log.warning("run %s superseded by %s: %d group(s) were handed over to a trainer that does not have "
+                        "them; the new generation rolls out everything the trainer has not trained",
+                        run_id, successor, len(untrained))
+            run_id, exists = successor, False
     config: dict[str, Any] = request.model_dump()
     config["run_id"] = run_id
     created = await store.create_run(
         run_id, config, group_size=request.num_repeat_per_sample, num_epoch=request.num_epoch,
         task_type=request.task_type,
     )
-    await store.add_skip_ids(run_id, request.skip_instance_ids)
+    await store.add_skip_groups(run_id, trained)
+    if not created:
+        released = await handover.expire_leases(store, run_id, release_all=True)
+        if released:
+            log.info("run %s: a new trainer session released %d leased batch(es)", run_id, released)
     await store.set_active_run(run_id)
-    excluded = await store.excluded_ids(run_id)
-    return RunSpec(run_id=run_id, request=request, task=task, created=created, excluded_ids=excluded)
+    excluded = await store.skip_groups(run_id) | await store.handed_groups(run_id)
+    return RunSpec(run_id=run_id, request=request, task=task, created=created, excluded_groups=excluded)

@@ -7,7 +7,7 @@ module for types; it imports nothing else from `rollout_buffer`.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -107,9 +107,26 @@ class StartRolloutRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     tokenizer_path: str | None = None
+    # slime's resume list: instance ids of trained groups, one entry per trained group (an id listed k
+    # times had its groups of epochs 0..k-1 trained), as slime's own clients send them.
     skip_instance_ids: list[str] = Field(default_factory=list)
+    # The exact form: "<epoch>:<instance_id>" keys of trained groups (`meta_info.finished_group_keys`).
+    skip_groups: list[str] = Field(default_factory=list)
     run_id: str | None = None
     min_valid_group_size: int | None = Field(default=None, ge=1)
+
+    @field_validator("skip_groups", mode="before")
+    @classmethod
+    def _group_keys(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, list):
+            for i, key in enumerate(value):
+                epoch, sep, instance_id = str(key).partition(":")
+                if not (sep and instance_id and epoch.isdecimal()):
+                    raise ValueError(f"skip_groups[{i}] is not '<epoch>:<instance_id>': {key!r}")
+            return [str(v) for v in value]
+        return value
 
     @field_validator("skip_instance_ids", mode="before")
     @classmethod
@@ -126,14 +143,43 @@ class StartRolloutRequest(BaseModel):
         return {} if value is None else value
 
 
+BATCH_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
+
+
 class GetRolloutDataRequest(BaseModel):
-    """Body of `/get_rollout_data`: `{}` reads every ready group."""
+    """Body of `/get_rollout_data`: `{}` reads every ready group (slime's semantics: handed over at once).
+
+    `lease_s` leases the batch instead: its groups stay stored until acknowledged (`ack` here, or
+    `POST /ack`), and reading again with the same `batch_id` returns the same batch (a retry after a lost
+    answer). A reader that sends no `batch_id` gets a new one in `meta_info.batch_id`."""
 
     model_config = ConfigDict(extra="allow")
 
     num: int | None = Field(default=None, ge=1)
     wait_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     run_id: str | None = None
+    lease_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
+    batch_id: str | None = Field(default=None, pattern=BATCH_ID_PATTERN)
+    ack: list[Annotated[str, Field(pattern=BATCH_ID_PATTERN)]] = Field(default_factory=list, max_length=1000)
+
+    @model_validator(mode="after")
+    def _batch_needs_lease(self) -> "GetRolloutDataRequest":
+        if self.batch_id is not None and self.lease_s is None:
+            raise ValueError("batch_id is only meaningful with lease_s (a leased read)")
+        return self
+
+
+class AckRequest(BaseModel):
+    """Body of `/ack`: the leased batches whose samples the trainer now holds."""
+
+    batch_id: str | None = Field(default=None, pattern=BATCH_ID_PATTERN)
+    batch_ids: list[Annotated[str, Field(pattern=BATCH_ID_PATTERN)]] = Field(default_factory=list, max_length=1000)
+    run_id: str | None = None
+
+    @property
+    def all_ids(self) -> list[str]:
+        ids = ([self.batch_id] if self.batch_id else []) + self.batch_ids
+        return list(dict.fromkeys(ids))
 
 
 class BatchWriteRequest(BaseModel):

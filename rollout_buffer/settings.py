@@ -29,6 +29,11 @@ class Settings(BaseSettings):
     # Incomplete groups older than this are handed over or dropped (None = wait for every member).
     group_timeout_s: float | None = Field(default=None, gt=0)
     group_timeout_policy: Literal["hand_over", "drop"] = "drop"
+    # Retention: keep at most this many runs (retired ones beyond the newest N are deleted), and delete
+    # retired runs this long after they ended. Retired: superseded, failed, or finished with nothing left
+    # to read. None = keep.
+    retain_runs: int | None = Field(default=None, ge=1)
+    run_ttl_s: float | None = Field(default=None, gt=0)
     # A task not acknowledged within this lease is reclaimed by another worker.
     task_lease_s: float = Field(default=600.0, gt=0)
     rollout_timeout_s: float = Field(default=1800.0, gt=0)

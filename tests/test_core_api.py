@@ -140,7 +140,7 @@ def test_skip_ids_are_not_stored_and_are_counted(client: httpx.Client, input_fil
     assert answer["success"] is False and "skipped" in answer["message"]
     write(client, run_id, "i0")
     assert [r["instance_id"] for r in read(client, run_id)["data"]["data"]] == ["i0"]
-    assert run_stats(client, run_id)["drops"]["skipped_instance"] == 1
+    assert run_stats(client, run_id)["drops"]["skipped_group"] == 1
 
 
 def test_group_hooks_filter_transform_and_meta(client: httpx.Client, input_file: Path) -> None:

@@ -138,9 +138,10 @@ async def test_enqueue_is_idempotent_resumable_and_counts_exactly(redis_store: S
     queue = TaskQueue(redis_store.redis, run_id)
     # A launch that died half way through enqueueing: its first tasks are in the stream already.
     plan = [x for seq, e, i, r in list(iter_task_plan(["s0", "s1", "s2"], 2, 2))[:5] for x in (seq, e, i, r)]
-    await queue._enqueue(keys=[queue.stream, keys.stats(run_id)], args=plan)
-    assert await queue.enqueue(samples, num_epoch=2, repeats=2, excluded={"s1"}) == 8 - 4 + 1
-    assert await queue.enqueue(samples, num_epoch=2, repeats=2, excluded={"s1"}) == 0
+    await queue._enqueue(keys=[queue.stream, keys.stats(run_id), keys.run_meta(run_id)], args=plan)
+    trained = {"0:s1", "1:s1"}  # both of s1's groups (epochs 0 and 1) were trained: excluded from the plan
+    assert await queue.enqueue(samples, num_epoch=2, repeats=2, excluded=trained) == 8 - 4 + 1
+    assert await queue.enqueue(samples, num_epoch=2, repeats=2, excluded=trained) == 0
     entries = await redis_store.redis.xrange(queue.stream)
     assert [e[0] for e in entries][:3] == [b"0-1", b"0-2", b"0-3"]
     assert (await redis_store.stats(run_id))["tasks_queued"] == 10, "5 from the first launch, 5 from the second"
@@ -149,7 +150,7 @@ async def test_enqueue_is_idempotent_resumable_and_counts_exactly(redis_store: S
     assert len(tasks) == 10 and len({t.uid(run_id) for t in tasks}) == 10
     assert [t.instance_id for t in tasks].count("s1") == 2, "only the first launch enqueued s1"
     assert tasks[0].uid(run_id) == "unit-run:0:s0:0"
-    await redis_store.add_skip_ids(run_id, ["s1"])  # the trainer asked to skip s1 since
+    await redis_store.add_skip_groups(run_id, ["0:s1"])  # the trainer says it trained s1's epoch-0 group
     started = [await queue.start(task) for task in tasks]
     assert [(c.proceed, c.attempt) for c in started].count((True, 1)) == 8
     assert all(c.previous == "skipped" and not c.proceed for c, t in zip(started, tasks) if t.instance_id == "s1")

@@ -1,36 +1,88 @@
-"""The read route: hand ready groups to the trainer (slime's `/get_rollout_data`)."""
+"""Read routes: hand ready groups to the trainer (slime's `/get_rollout_data`) and acknowledge leased
+batches (`/ack`)."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from rollout_buffer.app_state import state_of
+from rollout_buffer import handover
+from rollout_buffer.app_state import AppState, state_of
 from rollout_buffer.http_errors import error_response
-from rollout_buffer.reads import read_rollout_data
-from rollout_buffer.schema import GetRolloutDataRequest
+from rollout_buffer.reads import empty, read_rollout_data
+from rollout_buffer.routes.writes import superseded_answer
+from rollout_buffer.schema import AckRequest, GetRolloutDataRequest
 
 router = APIRouter()
 
 
+async def _resolve_run(state: AppState, run_id: str | None) -> tuple[str | None, dict[str, str], Any]:
+    """(run id, its meta, None) or (.., .., an error answer)."""
+    run_id = run_id or await state.store.active_run()
+    if run_id is None:
+        return None, {}, None
+    meta = await state.store.run_meta(run_id)
+    if not meta or meta.get("status") == "deleted":
+        return run_id, meta, error_response(404, f"unknown run_id {run_id!r}")
+    if meta.get("status") == "superseded":
+        return run_id, meta, await superseded_answer(state, run_id)
+    return run_id, meta, None
+
+
+async def _ack(state: AppState, run_id: str, batch_ids: list[str]) -> list[dict[str, Any]]:
+    results = []
+    for batch_id in batch_ids:
+        outcome = await handover.ack_batch(state.store, run_id, batch_id)
+        results.append({"batch_id": batch_id, "outcome": outcome.outcome, "groups": outcome.groups})
+    return results
+
+
 @router.post("/get_rollout_data")
 async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None = None) -> Any:
-    """Hand over ready groups, whole and in completion order; `num` caps the sample count."""
+    """Hand over ready groups, whole and in completion order; `num` caps the sample count. With `lease_s`
+    the batch is leased until acknowledged (`ack` in a later read, or `POST /ack`); the same `batch_id`
+    read again returns the same batch."""
     state = state_of(request)
     body = body or GetRolloutDataRequest()
-    run_id = body.run_id or await state.store.active_run()
+    run_id, meta, error = await _resolve_run(state, body.run_id)
     if run_id is None:
-        return {"success": False, "message": "no active run", "data": {"data": [], "meta_info": {}}}
-    meta = await state.store.run_meta(run_id)
-    if not meta:
-        return error_response(404, f"unknown run_id {run_id!r}")
+        return empty("no active run")
+    if error is not None:
+        return error
+    acks = await _ack(state, run_id, body.ack) if body.ack else []
     task = state.registry.get(meta.get("task_type", ""))
     config = await state.store.run_config(run_id) or {}
     # Groups reach a reader complete, or incomplete only by the group-timeout hand_over policy, which
     # must not be undone by the default size check; `min_valid_group_size` in /start_rollout raises it.
     min_valid = int(config.get("min_valid_group_size") or 1)
+    batch_id = body.batch_id or (uuid.uuid4().hex if body.lease_s else "")
     answer = await read_rollout_data(state.store, run_id, task, num=body.num, wait_s=body.wait_s,
-                                     min_valid_group_size=min_valid)
+                                     min_valid_group_size=min_valid, lease_s=body.lease_s or 0.0,
+                                     batch_id=batch_id)
+    if acks:
+        answer["data"]["meta_info"]["acks"] = acks
     state.reads.labels("data" if answer["success"] else "empty").inc()
     return answer
+
+
+@router.post("/ack")
+async def ack(body: AckRequest, request: Request) -> Any:
+    """Acknowledge leased batches: their groups are handed over for good (deleted, recorded for resume).
+    Idempotent; an ack that comes after its lease ran out is reported as `expired` (its groups went back
+    to the ready list)."""
+    state = state_of(request)
+    if not body.all_ids:
+        return error_response(422, "give batch_id or batch_ids")
+    run_id, _, error = await _resolve_run(state, body.run_id)
+    if run_id is None:
+        return error_response(409, "no active run: give run_id")
+    if error is not None:
+        return error
+    results = await _ack(state, run_id, body.all_ids)
+    ok = all(r["outcome"] in ("acked", "already_acked") for r in results)
+    counts = {o: sum(1 for r in results if r["outcome"] == o) for o in ("acked", "already_acked", "expired", "unknown")}
+    return {"success": ok, "run_id": run_id,
+            "message": ", ".join(f"{n} {o.replace('_', ' ')}" for o, n in counts.items() if n),
+            "data": {"results": results}}

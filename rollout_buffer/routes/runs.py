@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from rollout_buffer import handover, retention
 from rollout_buffer.app_state import state_of
 from rollout_buffer.http_errors import error_response
 from rollout_buffer.runs import StartRolloutError, start_run
@@ -27,7 +28,7 @@ async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
         return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
     verb = "started" if spec.created else "already exists; resumed"
     return {"message": f"run {spec.run_id} {verb}", "run_id": spec.run_id, "created": spec.created,
-            "skipped_instance_ids": len(spec.excluded_ids)}
+            "skipped_instance_ids": len(spec.excluded_groups), "skipped_groups": len(spec.excluded_groups)}
 
 
 @router.get("/runs")
@@ -44,7 +45,7 @@ async def run_detail(run_id: str, request: Request) -> Any:
     if not meta:
         return error_response(404, f"unknown run_id {run_id!r}")
     stats = await state.store.stats(run_id)
-    counts = await state.store.group_counts(run_id)
+    counts = await handover.group_counts(state.store, run_id)
     return {
         "run_id": run_id,
         "meta": meta,
@@ -53,6 +54,8 @@ async def run_detail(run_id: str, request: Request) -> Any:
         "groups": {
             "pending": counts["pending"],
             "ready": counts["ready"],
+            "leased": counts["leased"],
+            "leased_batches": counts["leased_batches"],
             "completed": int(stats.get("groups_completed", 0)),
             "consumed": int(stats.get("groups_handed", 0)),
             "filtered": int(stats.get("groups_filtered", 0)),
@@ -62,5 +65,15 @@ async def run_detail(run_id: str, request: Request) -> Any:
                     "duplicates": int(stats.get("duplicate_writes", 0)),
                     "by_status": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("status:")}},
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
+        "leases": {name: int(stats.get(name, 0)) for name in (
+            "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks")},
         "stats": stats,
     }
+
+
+@router.delete("/runs/{run_id}")
+async def delete_run(run_id: str, request: Request) -> Any:
+    """Stop the run's rollouts and remove every key it has in Redis."""
+    if not await retention.delete_run(state_of(request).store, run_id):
+        return error_response(404, f"unknown run_id {run_id!r}")
+    return {"success": True, "message": f"run {run_id} deleted", "run_id": run_id}

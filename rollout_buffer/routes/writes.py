@@ -31,12 +31,21 @@ def batch_answer(state: AppState, run_id: str, uids: list[str], outcomes: list[W
             "data": {"results": results, **counts}}
 
 
-@router.post("/buffer/write", openapi_extra=json_body(TrajectoryRecord))
-async def buffer_write(request: Request) -> Any:
-    """Store one trajectory; idempotent by uid. Attaches to the active run unless `run_id` is given."""
+async def superseded_answer(state: AppState, run_id: str) -> Any:
+    """409 naming the successor of a superseded run (its data is rolled out again there)."""
+    meta = await state.store.run_meta(run_id)
+    successor = meta.get("superseded_by", "")
+    return error_response(409, f"run {run_id!r} was superseded by {successor!r} "
+                               f"({meta.get('superseded_reason', 'a new generation')}); use that run",
+                          extra={"superseded_by": successor})
+
+
+async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
     record = await parse_body(request, TrajectoryRecord)
     state = state_of(request)
-    run_id = record.run_id or await state.store.active_run()
+    if pinned_run_id is not None and record.run_id not in (None, pinned_run_id):
+        return error_response(422, f"record names run {record.run_id!r}, the URL names run {pinned_run_id!r}")
+    run_id = pinned_run_id or record.run_id or await state.store.active_run()
     if run_id is None:
         return error_response(409, "no active run: start one with POST /start_rollout "
                                    "(or give the record a run_id)")
@@ -44,15 +53,31 @@ async def buffer_write(request: Request) -> Any:
     if outcome.reason == "unknown_run":  # checked inside the write script: no extra round trip
         return error_response(404, f"unknown run_id {run_id!r}")
     state.writes.labels(outcome.outcome).inc()
+    if outcome.reason == "run_superseded":
+        return await superseded_answer(state, run_id)
     data = {"uid": record.uid, "run_id": run_id, "outcome": outcome.outcome}
     if outcome.outcome == "dropped":
-        if outcome.reason == "skipped_instance":
-            return {"success": False, "message": f"instance {record.instance_id} is skipped in this run; "
-                                                 "not stored (counted)", "data": data}
+        if outcome.reason == "skipped_group":
+            return {"success": False, "message": f"the group of instance {record.instance_id} was trained already "
+                                                 "(skipped in this run); not stored (counted)", "data": data}
         return error_response(409, f"record {record.uid} not stored: {outcome.reason.replace('_', ' ')} "
                                    f"(group of instance {record.instance_id} is closed or full)")
     message = "already stored (duplicate uid)" if outcome.outcome == "duplicate" else "stored"
     return {"success": True, "message": message, "data": {**data, "group_completed": outcome.outcome == "completed"}}
+
+
+@router.post("/buffer/write", openapi_extra=json_body(TrajectoryRecord))
+async def buffer_write(request: Request) -> Any:
+    """Store one trajectory; idempotent by uid for the run's life. Attaches to the active run unless
+    `run_id` is given."""
+    return await _write_one(request, None)
+
+
+@router.post("/runs/{run_id}/buffer/write", openapi_extra=json_body(TrajectoryRecord))
+async def run_buffer_write(run_id: str, request: Request) -> Any:
+    """`/buffer/write` into the run the URL names (the URL slime-style task modules are given, so a
+    retired run's late writes are refused and counted instead of landing in the active run)."""
+    return await _write_one(request, run_id)
 
 
 @router.post("/buffer/write_batch", openapi_extra=json_body(BatchWriteRequest))

@@ -68,7 +68,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
     """Run one delivered task to its record; returns the state it ended in (done | failed | skipped)."""
     queue, uid = handle.queue, task.uid(handle.run_id)
     claim = await queue.start(task)
-    if not claim.proceed:  # finished by someone else before its ack, or its instance is skipped: acked
+    if not claim.proceed:  # finished by someone else, its group skipped, or its run retired: acked
         return claim.previous if claim.previous in TERMINAL else "skipped"
     stats: Counter[str] = Counter()
     common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
@@ -86,7 +86,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
     if record["status"] == "failed":
         stats[f"rollout_errors:{record['extra_info'].get('error_type', 'unknown')}"] += 1
     outcome = await store.write_record(handle.run_id, record)
-    if outcome.outcome == "dropped" and outcome.reason == "skipped_instance":
+    if outcome.outcome == "dropped" and outcome.reason in ("skipped_group", "run_superseded", "unknown_run"):
         final = "skipped"
     else:
         final = "failed" if record["status"] == "failed" else "done"

@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import Any
 
+from rollout_buffer import keys
 from rollout_buffer.runs import RunSpec
 from rollout_buffer.store import Store
 
@@ -35,7 +36,12 @@ class LegacyRunner:
             return False
         payload: dict[str, Any] = spec.request.model_dump()
         payload["run_id"] = spec.run_id
-        payload["skip_instance_ids"] = sorted(spec.excluded_ids)
+        # slime's form: one entry per trained group (its generator skips an id once per listed entry)
+        payload["skip_instance_ids"] = sorted(keys.parse_gid(g)[1] for g in spec.excluded_groups)
+        # writes through a URL that names this run: once the run is superseded or deleted, a thread still
+        # running (threads cannot be stopped) has its late writes refused and counted, not mixed into the
+        # active run
+        payload["remote_buffer_url"] = f"{spec.request.remote_buffer_url.rstrip('/')}/runs/{spec.run_id}"
         loop = asyncio.get_running_loop()
         done: asyncio.Future[BaseException | None] = loop.create_future()
         function = spec.task.module.run_rollout

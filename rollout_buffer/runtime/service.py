@@ -82,7 +82,7 @@ class RolloutRuntime:
             if not await queue.enqueue_done():
                 samples = await asyncio.to_thread(read_samples, spec.request.input_file)
                 added = await queue.enqueue(samples, num_epoch=spec.request.num_epoch,
-                                            repeats=spec.request.num_repeat_per_sample, excluded=spec.excluded_ids)
+                                            repeats=spec.request.num_repeat_per_sample, excluded=spec.excluded_groups)
                 log.info("run %s: enqueued %d task(s) for %d line(s)", spec.run_id, added, len(samples))
         await publish_run(self.store, spec.run_id)
         if self.pool is not None:

@@ -25,9 +25,11 @@ from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
 
 TERMINAL = ("done", "failed", "skipped")
 
-# KEYS: 1 tasks stream 2 stats. ARGV: flat (seq, epoch, instance_id, repeat) quadruples.
-# Adds only sequence numbers above the stream's last entry; returns how many it added.
+# KEYS: 1 tasks stream 2 stats 3 meta. ARGV: flat (seq, epoch, instance_id, repeat) quadruples.
+# Adds only sequence numbers above the stream's last entry; returns how many it added (none for a run
+# that is gone: a deleted run's keys are never re-created).
 _ENQUEUE = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 local last = 0
 local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #tail > 0 then
@@ -72,15 +74,22 @@ local old = redis.call('HGET', KEYS[1], ARGV[1]) or 'queued'
 """
 
 # KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream.
-# ARGV: 1 task id 2 instance id 3 now 4 entry id 5 consumer group.
-# A delivered task: already finished -> ack; instance skipped by the trainer -> skipped + ack; otherwise
-# running, one more attempt, and its input line. Returns {previous state, attempts, line or false}.
-_START = _STATE_LUA + """
+# ARGV: 1 task id 2 instance id 3 now 4 entry id 5 consumer group 6 group id ("epoch:instance_id").
+# A delivered task: its run gone or retired -> ack; already finished -> ack; group trained already
+# (skipped by the trainer) -> skipped + ack; otherwise running, one more attempt, and its input line.
+# Returns {previous state, attempts, line or false}.
+_START = """
+local status = redis.call('HGET', KEYS[3], 'status')
+if status ~= 'running' and status ~= 'finished' then
+  redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
+  return {'gone', 0, false}
+end
+""" + _STATE_LUA + """
 if terminal(old) then
   redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
   return {old, tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'), false}
 end
-if redis.call('SISMEMBER', KEYS[5], ARGV[2]) == 1 then
+if redis.call('SISMEMBER', KEYS[5], ARGV[6]) == 1 then
   set_state(ARGV[1], old, 'skipped')
   redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
   return {'skipped', tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'), false}
@@ -92,8 +101,11 @@ return {old, attempts, redis.call('HGET', KEYS[6], ARGV[2])}
 
 # KEYS: 1 taskstate 2 stats 3 meta 4 tasks stream. ARGV: 1 task id 2 final state 3 now 4 entry id
 # 5 consumer group, then (stat name, amount) pairs. Ends the task (terminal states never change), adds
-# the rollout's counters and acknowledges the entry, atomically. Returns the previous state.
-_FINISH = _STATE_LUA + """
+# the rollout's counters and acknowledges the entry, atomically. Returns the previous state ('gone' when
+# the run was deleted meanwhile: nothing is written).
+_FINISH = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 'gone' end
+""" + _STATE_LUA + """
 if not terminal(old) then
   set_state(ARGV[1], old, ARGV[2])
 end
@@ -106,6 +118,7 @@ return old
 
 # KEYS: 1 meta 2 stats. ARGV: 1 total 2 now. Records that enqueueing is complete; finishes an empty run.
 _ENQUEUE_DONE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'enqueue_done', '1', 'tasks_total', ARGV[1])
 local queued = tonumber(redis.call('HGET', KEYS[2], 'tasks_queued') or '0')
 local running = tonumber(redis.call('HGET', KEYS[2], 'tasks_running') or '0')
@@ -139,6 +152,10 @@ class Task:
     @property
     def task_id(self) -> str:
         return f"{self.epoch}:{self.instance_id}:{self.repeat}"
+
+    @property
+    def gid(self) -> str:
+        return keys.gid(self.epoch, self.instance_id)
 
     def uid(self, run_id: str) -> str:
         return f"{run_id}:{self.task_id}"
@@ -196,7 +213,8 @@ class TaskQueue:
 
     async def enqueue(self, samples: list[dict[str, Any]], *, num_epoch: int, repeats: int,
                       excluded: set[str], chunk: int = 2000) -> int:
-        """Store the samples and add every task not yet in the stream; returns how many were added."""
+        """Store the samples and add every task not yet in the stream, except those of the `excluded`
+        groups (`"epoch:instance_id"`, trained already); returns how many were added."""
         await self.ensure_group()
         for start in range(0, len(samples), chunk):
             part = samples[start:start + chunk]
@@ -205,17 +223,18 @@ class TaskQueue:
         added = 0
         total = 0
         batch: list[str] = []
+        enqueue_keys = [self.stream, keys.stats(self.run_id), keys.run_meta(self.run_id)]
         ids = [s["instance_id"] for s in samples]
         for seq, epoch, instance_id, repeat in iter_task_plan(ids, num_epoch, repeats):
-            if instance_id in excluded:
+            if keys.gid(epoch, instance_id) in excluded:
                 continue
             total += 1
             batch.extend((str(seq), str(epoch), instance_id, str(repeat)))
             if len(batch) >= chunk * 4:
-                added += int(await self._enqueue(keys=[self.stream, keys.stats(self.run_id)], args=batch))
+                added += int(await self._enqueue(keys=enqueue_keys, args=batch))
                 batch = []
         if batch:
-            added += int(await self._enqueue(keys=[self.stream, keys.stats(self.run_id)], args=batch))
+            added += int(await self._enqueue(keys=enqueue_keys, args=batch))
         await self._enqueue_done(keys=[keys.run_meta(self.run_id), keys.stats(self.run_id)],
                                  args=[total, _now()])
         return added
@@ -256,10 +275,10 @@ class TaskQueue:
             self._start,
             [keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
              keys.skip(run_id), keys.samples(run_id), self.stream],
-            [task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP],
+            [task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP, task.gid],
         ))
         previous = _text(previous)
-        proceed = previous not in TERMINAL
+        proceed = previous not in TERMINAL and previous != "gone"  # gone: run deleted or retired
         sample = _loads(line) if proceed and line else None
         return TaskStart(previous, int(attempts), sample, proceed)
 

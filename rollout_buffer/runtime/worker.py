@@ -35,6 +35,7 @@ from rollout_buffer.tasks import TaskRegistry
 log = logging.getLogger(__name__)
 MAX_BLOCK_S = 2.0
 REDIS_RETRY_S = 1.0
+STATUS_CHECK_S = 1.0  # how often a run loop checks that its run was not superseded or deleted
 RUN_EVENTS_MAXLEN = 1000
 
 
@@ -92,6 +93,7 @@ class RunLoop:
     _slot_freed: asyncio.Event = field(default_factory=asyncio.Event)
     _last_renew: float = field(default_factory=time.monotonic)
     _last_reclaim: float = float("-inf")
+    _last_status: float = field(default_factory=time.monotonic)
     _reader: asyncio.Task[Any] | None = None
 
     @property
@@ -118,6 +120,14 @@ class RunLoop:
         """One round: renew leases, then wait for a free slot or take tasks; True when the run is over."""
         queue = self.handle.queue
         now = time.monotonic()
+        if now - self._last_status >= STATUS_CHECK_S:
+            self._last_status = now
+            status = _text(await self.store.redis.hget(keys.run_meta(self.handle.run_id), "status"))
+            if status not in ("running", "finished"):  # superseded or deleted: its work is wasted now
+                log.info("run %s is %s; %s stops and cancels %d rollout(s)", self.handle.run_id,
+                         status or "deleted", self.consumer, len(self.inflight))
+                await self.stop(grace_s=0.0)
+                return True
         if now - self._last_renew >= self.renew_every:
             await queue.renew(self.consumer, list(self.inflight))
             self._last_renew = now
