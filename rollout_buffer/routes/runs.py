@@ -26,6 +26,8 @@ async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
         await state.runtime.launch(spec)
     except StartRolloutError as exc:
         return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
+    if spec.created and state.settings.retain_runs is not None:  # a new run may push an old one out
+        await retention.apply_retention(state.store, retain_runs=state.settings.retain_runs, run_ttl_s=None)
     verb = "started" if spec.created else "already exists; resumed"
     return {"message": f"run {spec.run_id} {verb}", "run_id": spec.run_id, "created": spec.created,
             "skipped_instance_ids": len(spec.excluded_groups), "skipped_groups": len(spec.excluded_groups)}
