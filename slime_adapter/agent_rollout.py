@@ -4,9 +4,13 @@
 Each trainer step pulls whole groups from the buffer until the step has `rollout_batch_size` groups
 (`rollout_batch_size * n_samples_per_prompt` samples), builds `Sample`s group by group (the engine's own
 tokens when records carry `turns`), hands them to slime's data buffer and returns
-`data_buffer.get_samples(rollout_batch_size)`. The first call starts the buffer's run, skipping every
-instance id in the data buffer's metadata, which is what makes a resume from a checkpoint skip exactly
-what was trained.
+`data_buffer.get_samples(rollout_batch_size)`. The first call starts the buffer's run with the group keys
+(`"<epoch>:<instance_id>"`) stored in the data buffer's metadata, which is what makes a resume from a
+checkpoint roll out exactly the groups it has not trained, in every epoch.
+
+Delivery is exactly-once in effect: every read leases its batch under a batch id this adapter chooses; an
+answer lost on the way (timeout, dropped connection) is read again with the same id and gives the same
+batch; a batch is acknowledged only once its samples are in the data buffer and its keys in the metadata.
 
 slime's data buffer asserts groups of exactly `n_samples_per_prompt` samples: a forked token-path record
 keeps only its last piece by default (`agent_fork_policy`, see `AgentRolloutSettings`), and a buffer whose
@@ -20,6 +24,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,7 +33,9 @@ import aiohttp
 
 from slime_adapter.buffer_client import (
     BufferUnavailableError,
+    RunSuperseded,
     StartRolloutRejected,
+    ack_batches,
     build_start_payload,
     fetch_rollout_data,
     get_rollout_data,
@@ -45,6 +52,7 @@ __all__ = [
     "BufferUnavailableError",
     "GroupSizeMismatchError",
     "RolloutDataUnavailable",
+    "RunSuperseded",
     "SampleBuildError",
     "StartRolloutRejected",
     "build_start_payload",
@@ -87,12 +95,15 @@ class SampleBuildError(RuntimeError):
 
 @dataclass
 class AgentRolloutState:
-    """What survives between trainer steps in this process: whether the run was started, and its id."""
+    """What survives between trainer steps in this process: whether the run was started, its id, and the
+    leased batches whose samples are in the data buffer but whose acknowledgement has not reached the
+    buffer yet (sent with the next read)."""
 
     started: bool = False
     run_id: str | None = None
     start_answer: dict[str, Any] | None = None
     next_group_index: int = 0
+    pending_acks: list[str] = field(default_factory=list)
 
 
 _STATE = AgentRolloutState()
@@ -156,15 +167,17 @@ class _Step:
     data_buffer: Any
     rollout_id: int
     metas: list[dict[str, Any]] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # group keys "<epoch>:<instance_id>"
+    finished_ids: list[str] = field(default_factory=list)  # from a buffer that names no keys (slime's own)
     stats: BuildStats = field(default_factory=BuildStats)
     groups_added: int = 0
     size_mismatches: int = 0
 
     def __post_init__(self) -> None:
         earlier = (self.data_buffer.get_metadata() or {}).get(self._key)
-        if isinstance(earlier, list):  # this step was interrupted and is being retried: keep what it consumed
-            self.finished = list(earlier)
+        if isinstance(earlier, dict):  # this step was interrupted and is being retried: keep what it consumed
+            self.finished = [str(k) for k in earlier.get("groups") or []]
+            self.finished_ids = [str(i) for i in earlier.get("instance_ids") or []]
 
     @property
     def _key(self) -> str:
@@ -204,7 +217,10 @@ class _Step:
         """
         if meta:
             self.metas.append(meta)
-        self.finished.extend(str(i) for i in meta.get("finished_groups") or [])
+        if "finished_group_keys" in meta:
+            self.finished.extend(str(k) for k in meta["finished_group_keys"])
+        else:  # slime's form: one instance id per group (see buffer_client.resume_keys_from_metadata)
+            self.finished_ids.extend(str(i) for i in meta.get("finished_groups") or [])
         built: list[list[Any]] = []
         try:
             for group in split_groups(records):
@@ -214,7 +230,10 @@ class _Step:
                     raise SampleBuildError(f"cannot build samples for the group of instance "
                                            f"{group[0]['instance_id']}: {type(exc).__name__}: {exc}", group) from exc
         finally:
-            self.data_buffer.update_metadata({self._key: list(self.finished)})
+            record: dict[str, list[str]] = {"groups": list(self.finished)}
+            if self.finished_ids:
+                record["instance_ids"] = list(self.finished_ids)
+            self.data_buffer.update_metadata({self._key: record})
             if built:
                 self.data_buffer.add_samples(built)
                 self.groups_added += len(built)
@@ -255,25 +274,66 @@ async def _ensure_started(settings: AgentRolloutSettings, state: AgentRolloutSta
     state.started, state.run_id, state.start_answer = True, answer.get("run_id"), answer
 
 
+def _new_batch_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _check_acks(meta: dict[str, Any]) -> None:
+    for result in meta.get("acks") or []:
+        if result.get("outcome") not in ("acked", "already_acked"):
+            log.warning("acknowledging batch %s: %s (its groups may be handed over again)", result.get("batch_id"),
+                        result.get("outcome"))
+
+
+async def _flush_acks(settings: AgentRolloutSettings, state: AgentRolloutState) -> None:
+    """Acknowledge the batches this step took, now rather than with the next step's first read."""
+    if not state.pending_acks:
+        return
+    sent = list(state.pending_acks)
+    try:
+        outcomes = await ack_batches(settings.buffer_url, sent, run_id=state.run_id)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        log.warning("acknowledging %d batch(es) failed (%s); retried with the next read", len(sent), exc)
+        return
+    state.pending_acks = [b for b in state.pending_acks if b not in sent]
+    _check_acks({"acks": [{"batch_id": b, "outcome": o} for b, o in outcomes.items()]})
+
+
 async def _collect(step: _Step, need_groups: int) -> None:
     """Fetch until `need_groups` groups were added; empty answers and network errors back off and count
-    towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count). A buffer whose
+    towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count). A read that got no
+    answer is sent again with the same batch id, so the batch it may have leased is not lost. A buffer whose
     next group is larger than `num` raises `GroupSizeMismatchError` at once: waiting cannot fix it."""
-    settings, failures = step.settings, 0
+    settings, state, failures = step.settings, step.state, 0
+    batch_id = _new_batch_id()
     while step.groups_added < need_groups:
         remaining = need_groups - step.groups_added
         num = remaining * settings.n_samples_per_prompt
         began = time.monotonic()
         error: BaseException | None = None
         message = ""
+        acks = list(state.pending_acks)
         try:
-            records, meta, message = await fetch_rollout_data(settings.buffer_url, num, settings.fetch_timeout_s,
-                                                              run_id=step.state.run_id)
+            records, meta, message = await fetch_rollout_data(
+                settings.buffer_url, num, settings.fetch_timeout_s, run_id=state.run_id, lease_s=settings.lease_s,
+                batch_id=batch_id, ack=acks)
+        except RunSuperseded as exc:
+            log.warning("rollout %d: %s; reading %s from now on", step.rollout_id, exc, exc.successor)
+            state.run_id, state.pending_acks, batch_id = exc.successor, [], _new_batch_id()
+            continue
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             error, records, meta = exc, [], {}
+        else:
+            state.pending_acks = [b for b in state.pending_acks if b not in acks]
+            _check_acks(meta)
         if records or meta.get("finished_groups"):
             failures = 0
-            step.accept(records, meta)
+            try:
+                step.accept(records, meta)
+            finally:  # its keys are in the metadata even when building failed: the batch is consumed
+                if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
+                    state.pending_acks.append(str(meta["batch_id"]))
+                batch_id = _new_batch_id()
             continue
         _check_group_fits(step, num, message)
         failures += 1
@@ -306,7 +366,10 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
     need = settings.rollout_batch_size - _buffered_groups(data_buffer)
     if need > 0:
         step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id)
-        await _collect(step, need)
+        try:
+            await _collect(step, need)
+        finally:
+            await _flush_acks(settings, state)
         log_raw_info(args, step.metas, rollout_id, step.stats, extra={
             "rollout/group_size_mismatch": step.size_mismatches,
             "rollout/fork_dropped_pieces": step.stats.fork_dropped_pieces,

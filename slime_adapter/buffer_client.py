@@ -23,10 +23,13 @@ from slime_adapter.settings import AgentRolloutSettings
 __all__ = [
     "REQUIRED_RECORD_KEYS",
     "BufferUnavailableError",
+    "RunSuperseded",
     "StartRolloutRejected",
+    "ack_batches",
     "build_start_payload",
     "get_rollout_data",
     "long_poll_wait_s",
+    "resume_keys_from_metadata",
     "skip_ids_from_metadata",
     "start_rollout",
 ]
@@ -49,22 +52,43 @@ class StartRolloutRejected(RuntimeError):
         self.server_message = message
 
 
+class RunSuperseded(RuntimeError):
+    """The run this trainer reads was superseded by a new generation (another trainer session resumed);
+    `successor` is the run to read instead."""
+
+    def __init__(self, message: str, successor: str) -> None:
+        super().__init__(message)
+        self.successor = successor
+
+
 class _Transient(Exception):
     """A failure worth another try (connection refused, timeout, 5xx)."""
 
 
-def skip_ids_from_metadata(metadata: Mapping[str, Any] | None) -> list[str]:
-    """Union of every finished-id list in slime's data-buffer metadata (`str(rollout_id)` -> ids).
+def resume_keys_from_metadata(metadata: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
+    """What the checkpoint says was trained: `(group keys, instance ids)`.
 
-    Order is first appearance; values that are not lists (newer slime keeps other state in the same
-    dict) are not instance-id lists and are left out.
+    This adapter stores each step as `str(rollout_id) -> {"groups": ["<epoch>:<instance_id>", ...]}`: the
+    exact keys, sent back as `skip_groups`. Instance ids without keys (a step stored as a plain list by
+    slime's own client or an older version of this adapter, or `"instance_ids"` read from a buffer that
+    names no keys) count one per trained group, duplicates kept, sent as `skip_instance_ids` (the buffer
+    reads k entries of an id as k of its groups). Values of other shapes (newer slime keeps other state in
+    the same dict) are left out.
     """
-    seen: dict[str, None] = {}
+    groups: dict[str, None] = {}
+    instance_ids: list[str] = []
     for value in (metadata or {}).values():
-        if isinstance(value, (list, tuple, set, frozenset)):
-            for item in value:
-                seen.setdefault(str(item), None)
-    return list(seen)
+        if isinstance(value, Mapping) and isinstance(value.get("groups"), list):
+            groups.update((str(key), None) for key in value["groups"])
+            instance_ids.extend(str(item) for item in value.get("instance_ids") or [])
+        elif isinstance(value, (list, tuple)):
+            instance_ids.extend(str(item) for item in value)
+    return list(groups), instance_ids
+
+
+def skip_ids_from_metadata(metadata: Mapping[str, Any] | None) -> list[str]:
+    """slime's `skip_instance_ids`: every instance id in the metadata's plain lists, one per trained group."""
+    return resume_keys_from_metadata(metadata)[1]
 
 
 def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -82,8 +106,10 @@ def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, A
         "num_repeat_per_sample": str(settings.n_samples_per_prompt),
         "sampling_params": sampling,
         "tokenizer_path": settings.hf_checkpoint,
-        "skip_instance_ids": skip_ids_from_metadata(metadata),
     }
+    # Always sent, even empty: the trainer states what its checkpoint holds, so groups the buffer handed
+    # to a trainer that crashed before checkpointing them are rolled out again.
+    payload["skip_groups"], payload["skip_instance_ids"] = resume_keys_from_metadata(metadata)
     if settings.max_response_len is not None:
         payload["max_tokens"] = str(settings.max_response_len)
         sampling["max_tokens"] = settings.max_response_len
@@ -204,24 +230,77 @@ async def get_rollout_data(api_base_url: str, num: int | None = None, timeout: f
     return records, meta
 
 
+async def _post(url: str, payload: dict[str, Any], timeout: float) -> str:
+    """POST JSON, return the body text; HTTP errors raise (409 of a superseded run as `RunSuperseded`)."""
+    try:
+        async with (asyncio.timeout(timeout), aiohttp.ClientSession() as session,
+                    session.post(url, json=payload) as response):
+            text = await response.text()
+            if response.status == 409:
+                successor = _superseded_by(text)
+                if successor:
+                    raise RunSuperseded(f"{url}: {_message_of(text)}", successor)
+            if response.status >= 400:
+                raise aiohttp.ClientResponseError(
+                    response.request_info, response.history, status=response.status,
+                    message=f"{response.reason}: {text[:500]}", headers=response.headers)
+            return text
+    except TimeoutError as exc:  # also aiohttp's own timeout errors, which are ClientErrors too
+        raise asyncio.TimeoutError(f"{url} gave no answer within {timeout} s") from exc
+
+
+def _superseded_by(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return ""
+    return str(body.get("superseded_by") or "") if isinstance(body, dict) else ""
+
+
+def _message_of(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500]
+    return str(body.get("message", text[:500])) if isinstance(body, dict) else text[:500]
+
+
 async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
-                             run_id: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+                             run_id: str | None = None, lease_s: float | None = None, batch_id: str | None = None,
+                             ack: list[str] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """`get_rollout_data` plus the buffer's `message`: when nothing is handed over, the message is the
-    only place the buffer says why (nothing ready yet, or `num` smaller than the next group)."""
-    url = f"{api_base_url.rstrip('/')}/get_rollout_data"
+    only place the buffer says why (nothing ready yet, or `num` smaller than the next group).
+
+    With `lease_s` the batch is leased under `batch_id` (reading it again returns the same batch: retry
+    with the same id after a lost answer) until acknowledged; `ack` acknowledges earlier batches in the
+    same request. A superseded run raises `RunSuperseded`."""
     payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout)}
     if num is not None:
         payload["num"] = int(num)
     if run_id is not None:
         payload["run_id"] = run_id
-    try:
-        async with (asyncio.timeout(timeout), aiohttp.ClientSession() as session,
-                    session.post(url, json=payload) as response):
-            text = await response.text()
-            if response.status >= 400:
-                raise aiohttp.ClientResponseError(
-                    response.request_info, response.history, status=response.status,
-                    message=f"{response.reason}: {text[:500]}", headers=response.headers)
-    except TimeoutError as exc:  # also aiohttp's own timeout errors, which are ClientErrors too
-        raise asyncio.TimeoutError(f"/get_rollout_data at {url} gave no answer within {timeout} s") from exc
-    return _parse_answer(text)
+    if lease_s is not None:
+        payload["lease_s"] = lease_s
+        if batch_id is not None:
+            payload["batch_id"] = batch_id
+    if ack:
+        payload["ack"] = list(ack)
+    return _parse_answer(await _post(f"{api_base_url.rstrip('/')}/get_rollout_data", payload, timeout))
+
+
+async def ack_batches(api_base_url: str, batch_ids: list[str], *, run_id: str | None, timeout: float = 30.0,
+                      attempts: int = 5, backoff_s: float = 0.5) -> dict[str, str]:
+    """`POST /ack` the leased batches (retried: acknowledging is idempotent); returns batch id -> outcome
+    (`acked`, `already_acked`, `expired`, `unknown`). Raises after `attempts` failed tries."""
+    payload: dict[str, Any] = {"batch_ids": list(batch_ids)}
+    if run_id is not None:
+        payload["run_id"] = run_id
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(attempts), reraise=True,
+        wait=tenacity.wait_exponential(multiplier=backoff_s, max=10.0),
+        retry=tenacity.retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)))
+    async for attempt in retrying:
+        with attempt:
+            body = json.loads(await _post(f"{api_base_url.rstrip('/')}/ack", payload, timeout))
+    results = body.get("data", {}).get("results", []) if isinstance(body, dict) else []
+    return {str(r.get("batch_id")): str(r.get("outcome")) for r in results if isinstance(r, dict)}

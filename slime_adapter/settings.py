@@ -69,6 +69,11 @@ class AgentRolloutSettings:
       `rollout/fork_dropped_tokens` (prompt + response) and `rollout/fork_dropped_generated_tokens`.
       "all" keeps every piece, for trainers that accept uneven groups. Dropping a whole record is not
       offered: it would change the group's size just the same.
+    - `lease_s` (`agent_lease_s`): 3600.0. Every read leases its batch: the buffer keeps the groups until this
+      adapter acknowledges them (once their samples are in the data buffer and their keys in its metadata),
+      and a read retried after a lost answer gets the same batch. A lease that runs out (the trainer
+      vanished without restarting) gives the groups back to the buffer; a restarted trainer releases its
+      predecessor's leases at once, so a long lease costs nothing.
     - `loss_mask_verify` (`agent_loss_mask_verify`): "cheap". How records without `turns` check their
       re-rendered tokens: "cheap" invariants, "full" (a second `apply_chat_template(tokenize=True)`
       compared token for token, twice the cost), or "off".
@@ -103,6 +108,7 @@ class AgentRolloutSettings:
     start_timeout_s: float = 30.0
     fork_policy: str = "last"
     loss_mask_verify: str = "cheap"
+    lease_s: float = 3600.0
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -143,6 +149,7 @@ class AgentRolloutSettings:
             start_timeout_s=float(_get(args, "agent_start_rollout_timeout_s", 30.0)),
             fork_policy=str(_get(args, "agent_fork_policy", "last")),
             loss_mask_verify=str(_get(args, "agent_loss_mask_verify", "cheap")),
+            lease_s=float(_get(args, "agent_lease_s", 3600.0)),
         )
         settings.check()
         return settings
@@ -157,6 +164,8 @@ class AgentRolloutSettings:
             raise ValueError(f"fetch_trajectory_retry_times must be -1 (unlimited) or >= 0, got {self.fetch_retry_times}")
         if self.start_attempts < 1:
             raise ValueError(f"agent_start_rollout_attempts must be >= 1, got {self.start_attempts}")
+        if not 0 < self.lease_s <= 86_400:
+            raise ValueError(f"agent_lease_s must be in (0, 86400], got {self.lease_s}")
         if self.fetch_timeout_s <= 0:
             raise ValueError(f"agent_fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
         if self.fork_policy not in FORK_POLICIES:

@@ -97,7 +97,7 @@ def test_two_steps_with_normalised_then_raw_rewards_and_a_filtered_group(
     ])
     groups = generate_rollout(args, 0, buffer)
     assert [[s.metadata["instance_id"] for s in g] for g in groups] == [["i1", "i1"], ["i2", "i2"]]
-    assert buffer.metadata == {"0": ["i0", "i1", "i2"]}, "the filtered group is finished too"
+    assert buffer.metadata == {"0": {"groups": ["0:i0", "0:i1", "0:i2"]}}, "the filtered group is finished too"
     assert buffer.get_buffer_length() == 0
     for group in groups:
         assert sorted(s.reward for s in group) == pytest.approx([-1.0, 1.0], abs=1e-5), "normalised rewards"
@@ -119,7 +119,7 @@ def test_two_steps_with_normalised_then_raw_rewards_and_a_filtered_group(
     groups = generate_rollout(raw_args, 1, buffer)
     assert [g[0].metadata["instance_id"] for g in groups] == ["i3", "i4"]
     assert [sorted(s.reward for s in g) for g in groups] == [[1.0, 3.0], [1.0, 3.0]], "raw rewards"
-    assert buffer.metadata == {"0": ["i0", "i1", "i2"], "1": ["i3", "i4"]}
+    assert buffer.metadata == {"0": {"groups": ["0:i0", "0:i1", "0:i2"]}, "1": {"groups": ["0:i3", "0:i4"]}}
 
 
 def test_fetch_gives_up_after_the_configured_retries(server: ServerProcess, input_file: Path,
@@ -181,12 +181,14 @@ def test_surplus_groups_stay_in_order_for_the_next_step(tiny_server: Any, input_
     args = slime_args(url, input_file)
     first = generate_rollout(args, 9, buffer)
     assert [g[0].metadata["instance_id"] for g in first] == ["i0", "i1"]
-    assert buffer.get_buffer_length() == 1 and buffer.metadata["9"] == ["i0", "i1", "i2"]
+    assert buffer.get_buffer_length() == 1
+    assert buffer.metadata["9"] == {"groups": [], "instance_ids": ["i0", "i1", "i2"]}, "a buffer without keys"
     second = generate_rollout(args, 10, buffer)
     assert [g[0].metadata["instance_id"] for g in second] == ["i2", "i3"], "the surplus group comes first"
-    assert buffer.metadata["10"] == ["i3"] and buffer.get_buffer_length() == 0
+    assert buffer.metadata["10"] == {"groups": [], "instance_ids": ["i3"]} and buffer.get_buffer_length() == 0
     assert len(legacy.start_bodies) == 1, "the run is started once per process"
-    assert legacy.start_bodies[0]["skip_instance_ids"] == ["x1", "x2", "x3"]
+    assert legacy.start_bodies[0]["skip_instance_ids"] == ["x1", "x2", "x2", "x3"], "one entry per trained group"
+    assert legacy.start_bodies[0]["skip_groups"] == []
     assert [b.get("num") for b in legacy.read_bodies] == [4, 2], "the second step asks only for what is missing"
     assert all(b["run_id"] == "legacy" for b in legacy.read_bodies)
 
@@ -200,7 +202,7 @@ def test_a_group_that_cannot_be_built_raises_after_keeping_the_rest(tiny_server:
     with pytest.raises(SampleBuildError, match="instance i1.*hf_checkpoint") as info:
         generate_rollout(slime_args(url, input_file, hf_checkpoint=None), 0, buffer)
     assert [r["instance_id"] for r in info.value.records] == ["i1", "i1"]
-    assert buffer.metadata == {"0": ["i0", "i1"]} and buffer.get_buffer_length() == 1
+    assert buffer.metadata == {"0": {"groups": [], "instance_ids": ["i0", "i1"]}} and buffer.get_buffer_length() == 1
 
 
 def test_http_errors_count_as_failed_fetches(tiny_server: Any, input_file: Path, slime_data_buffer: Any) -> None:

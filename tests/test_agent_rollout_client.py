@@ -87,14 +87,14 @@ def test_settings_fork_policy_and_loss_mask_verify() -> None:
 def test_start_payload_is_slimes_and_skips_the_union_of_metadata(tmp_path: Path) -> None:
     args = slime_args("http://x:1", tmp_path / "in.jsonl", hf_checkpoint="/tok", rollout_max_response_len=64,
                       rollout_temperature=0.7, rollout_top_p=0.9, sglang_router_ip="h", sglang_router_port=9)
-    metadata = {"0": ["i1", "i2"], "1": ["i2", 7], "apf_state": {"x": 1}}
-    assert skip_ids_from_metadata(metadata) == ["i1", "i2", "7"]
+    metadata = {"0": ["i1", "i2"], "1": ["i2", 7], "2": {"groups": ["1:i1", "0:i3"]}, "apf_state": {"x": 1}}
+    assert skip_ids_from_metadata(metadata) == ["i1", "i2", "i2", "7"], "slime's form: one entry per trained group"
     payload = build_start_payload(AgentRolloutSettings.from_args(args), metadata)
     assert payload == {
         "num_process": "4", "num_epoch": "1", "remote_engine_url": "http://h:9", "remote_buffer_url": "http://x:1",
         "task_type": "external", "input_file": str(tmp_path / "in.jsonl"), "num_repeat_per_sample": "2",
         "max_tokens": "64", "sampling_params": {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9},
-        "tokenizer_path": "/tok", "skip_instance_ids": ["i1", "i2", "7"],
+        "tokenizer_path": "/tok", "skip_instance_ids": ["i1", "i2", "i2", "7"], "skip_groups": ["1:i1", "0:i3"],
     }
     with pytest.raises(ValueError, match="prompt_data"):
         build_start_payload(AgentRolloutSettings.from_args(SimpleNamespace()), {})

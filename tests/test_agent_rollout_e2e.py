@@ -102,7 +102,8 @@ def test_two_steps_then_resume_after_a_buffer_restart(
         ids0 = [check_group(g, qwen_tokenizer) for g in step0]
         ids1 = [check_group(g, qwen_tokenizer) for g in step1]
         assert len(step0) == len(step1) == BATCH and not set(ids0) & set(ids1)
-        assert saved == {"0": ids0} and buffer.metadata == {"0": ids0, "1": ids1}
+        keys0, keys1 = [f"0:{i}" for i in ids0], [f"0:{i}" for i in ids1]
+        assert saved == {"0": {"groups": keys0}} and buffer.metadata == {"0": {"groups": keys0}, "1": {"groups": keys1}}
         assert "rollout 1:" in caplog.text and "rollout/response_len/mean" in caplog.text
         wait_all_rolled_out(first.url, run_id, len(ROWS) * GROUP)
     finally:
@@ -126,4 +127,4 @@ def test_two_steps_then_resume_after_a_buffer_restart(
         assert not set(ids) & set(ids0), "what step 0 trained is never handed out again"
         assert sorted(ids) == sorted(r["instance_id"] for r in ROWS if r["instance_id"] not in ids0), \
             "everything not trained, step 1's handed-over groups included, is rolled out again"
-        assert resumed_buffer.metadata["0"] == ids0
+        assert resumed_buffer.metadata["0"] == {"groups": keys0}
