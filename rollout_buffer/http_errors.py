@@ -3,15 +3,21 @@ naming the problem, and the body-size limit is enforced before a large body is r
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_buffer.responses import OrjsonResponse
+
+log = logging.getLogger(__name__)
 
 
 def error_response(status_code: int, message: str, errors: list[dict[str, Any]] | None = None,
@@ -42,9 +48,19 @@ async def _http_handler(request: Request, exc: StarletteHTTPException) -> Orjson
     return error_response(exc.status_code, str(exc.detail))
 
 
+async def _redis_down_handler(request: Request, exc: Exception) -> OrjsonResponse:
+    """Redis unreachable (restarting, network): the request may or may not have taken effect, so the client
+    retries it; writes (by uid), leased reads (by batch_id) and acks are idempotent."""
+    log.warning("%s %s: redis unavailable: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return error_response(503, f"redis unavailable; retry the request (writes, leased reads and acks are "
+                               f"idempotent): {type(exc).__name__}: {exc}")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
+    for error in (RedisConnectionError, RedisTimeoutError, BusyLoadingError):
+        app.add_exception_handler(error, _redis_down_handler)
 
 
 class BodySizeLimit:

@@ -9,12 +9,14 @@ import logging
 import time
 
 from rollout_buffer import handover, retention
+from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
 
 log = logging.getLogger(__name__)
 LEASE_SWEEP_S = 1.0
 RETENTION_SWEEP_S = 30.0
+REDIS_WATCH_S = 0.1
 
 
 def tick_s(settings: Settings) -> float:
@@ -54,3 +56,13 @@ async def maintain(store: Store, settings: Settings) -> None:
                 last_retention = now
         except Exception:
             log.exception("background upkeep failed; retrying")
+
+
+async def supervise_embedded(embedded: EmbeddedRedis) -> None:
+    """Restart the embedded redis-server whenever it dies (cancel to stop)."""
+    while True:
+        await asyncio.sleep(REDIS_WATCH_S)
+        try:
+            await asyncio.to_thread(embedded.ensure_running)
+        except Exception:
+            log.exception("restarting the embedded redis-server failed; trying again")

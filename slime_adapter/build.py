@@ -118,6 +118,7 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
         "mask_source": mask_source,
         "uid": record.uid,
         "instance_id": record.instance_id,
+        "epoch": record.epoch,
         "record_status": status,
         "weight_version": record.weight_version,
     }

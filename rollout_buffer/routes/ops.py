@@ -2,23 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
 from rollout_buffer import __version__
 from rollout_buffer.app_state import state_of
+from rollout_buffer.http_errors import error_response
+
+HEALTH_TIMEOUT_S = 2.0
 
 router = APIRouter()
 
 
 @router.get("/health")
 async def health(request: Request) -> Any:
+    """200 when Redis answers; 503 while it does not (an embedded redis-server that died is being
+    restarted, or an external one is unreachable)."""
     state = state_of(request)
-    await state.store.redis.ping()
-    return {"status": "ok", "version": __version__, "embedded_redis": state.embedded is not None}
+    embedded = state.embedded
+    info = {"version": __version__, "embedded_redis": embedded is not None,
+            "redis_restarts": embedded.restarts if embedded is not None else 0}
+    try:
+        if embedded is not None and not embedded.alive:
+            raise ConnectionError("the embedded redis-server is down; restarting it")
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            await state.store.redis.ping()
+    except (RedisError, OSError, TimeoutError) as exc:
+        return error_response(503, f"redis unavailable: {type(exc).__name__}: {exc}",
+                              extra={"status": "unhealthy", **info})
+    return {"status": "ok", **info}
 
 
 @router.get("/tasks")

@@ -1,0 +1,148 @@
+"""Fault injection for the exactly-once tests: an HTTP proxy that cuts answers mid-body, a leased reader
+that behaves like the adapter (same batch id after a lost answer, ack after processing), and a writer
+that retries until each batch is acknowledged."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import httpx
+from aiohttp import web
+
+
+@dataclass
+class DroppingProxy:
+    """Forwards everything to `upstream`; the answers of `/get_rollout_data` reads that carry data and whose
+    ordinal (1-based, counting data-carrying answers) is in `drop` are cut after half their body and the
+    connection closed, as a network failure mid-response would."""
+
+    upstream: str
+    drop: set[int]
+    data_answers: int = 0
+    dropped: int = 0
+    _session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_route("*", "/{path:.*}", self.forward)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+        body = await request.read()
+        async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
+                                         headers={"Content-Type": request.headers.get("Content-Type",
+                                                                                      "application/json")}) as up:
+            payload = await up.read()
+            status, content_type = up.status, up.headers.get("Content-Type", "application/json")
+        cut = False
+        if request.path == "/get_rollout_data" and status == 200 and b'"success":true' in payload:
+            self.data_answers += 1
+            cut = self.data_answers in self.drop
+        if not cut:
+            return web.Response(body=payload, status=status, content_type=content_type.split(";")[0])
+        self.dropped += 1
+        response = web.StreamResponse(status=status, headers={"Content-Type": content_type,
+                                                               "Content-Length": str(len(payload))})
+        await response.prepare(request)
+        await response.write(payload[:len(payload) // 2])
+        assert request.transport is not None
+        request.transport.close()  # the rest of the body never arrives
+        return response
+
+
+@dataclass
+class LeasedReader:
+    """Reads a run with leases until told to stop and nothing is left, as a trainer would: a read without
+    an answer is sent again with the same batch id; a batch is processed once, then acknowledged."""
+
+    url: str
+    run_id: str
+    lease_s: float = 600.0
+    deadline_s: float = 120.0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    batches: int = 0
+    failures: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        batch_id, pending_ack = uuid.uuid4().hex, []
+        deadline = time.monotonic() + self.deadline_s
+        with httpx.Client(timeout=15) as client:
+            while time.monotonic() < deadline:
+                body = {"run_id": self.run_id, "lease_s": self.lease_s, "batch_id": batch_id, "ack": pending_ack,
+                        "wait_s": 0.5}
+                try:
+                    response = client.post(f"{self.url}/get_rollout_data", json=body)
+                    response.raise_for_status()
+                    answer = response.json()
+                except (httpx.HTTPError, ValueError):
+                    self.failures += 1
+                    time.sleep(0.1)
+                    continue  # same batch id, same acks: nothing is lost, nothing doubled
+                pending_ack = []
+                if answer["success"]:
+                    self.received.extend(answer["data"]["data"])
+                    self.batches += 1
+                    pending_ack = [answer["data"]["meta_info"]["batch_id"]]
+                    batch_id = uuid.uuid4().hex
+                elif self.stop.is_set():
+                    return
+
+    def uids(self) -> Counter[str]:
+        return Counter(r["uid"] for r in self.received)
+
+
+@dataclass
+class RetryingWriter:
+    """Writes `records` in batches to `/buffer/write_batch`, each batch retried until the buffer answers
+    (a killed API, a restarting Redis); `acknowledged` holds the uids of answered batches."""
+
+    url: str
+    run_id: str
+    records: list[dict[str, Any]]
+    batch_size: int = 8
+    deadline_s: float = 120.0
+    acknowledged: list[str] = field(default_factory=list)
+    failures: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.deadline_s
+        with httpx.Client(timeout=15) as client:
+            for start in range(0, len(self.records), self.batch_size):
+                batch = self.records[start:start + self.batch_size]
+                while time.monotonic() < deadline:
+                    try:
+                        response = client.post(f"{self.url}/buffer/write_batch",
+                                               json={"run_id": self.run_id, "records": batch})
+                        if response.status_code == 200:
+                            outcomes = {r["outcome"] for r in response.json()["data"]["results"]}
+                            if not outcomes <= {"stored", "completed", "duplicate"}:
+                                self.errors.append(response.text[:500])
+                            self.acknowledged.extend(r["uid"] for r in batch)
+                            break
+                        self.errors.append(f"{response.status_code}: {response.text[:300]}")
+                    except httpx.HTTPError as exc:
+                        self.errors.append(f"{type(exc).__name__}: {exc}")
+                    self.failures += 1
+                    time.sleep(0.05)
+
+
+def start_daemon(target: Any) -> threading.Thread:
+    """A thread that cannot keep the test process alive after a failed test."""
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
