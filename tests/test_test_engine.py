@@ -531,9 +531,9 @@ async def test_http_server_keeps_alive_answers_pipelined_requests_in_order_and_r
 
 async def test_http_server_refuses_oversized_bodies(monkeypatch: pytest.MonkeyPatch, engine: TestEngine,
                                                     session: aiohttp.ClientSession) -> None:
-    import rollout_buffer.testing.engine as engine_module
+    from rollout_buffer.testing.engine import http_server
 
-    monkeypatch.setattr(engine_module, "_MAX_BODY", 1000)
+    monkeypatch.setattr(http_server, "_MAX_BODY", 1000)
     async with session.post(engine.url + "/generate", json={"input_ids": list(range(1000))}) as resp:
         assert resp.status == 413
     status, _ = await post(session, engine.url + "/generate", {"input_ids": [1, 2]})
@@ -543,9 +543,11 @@ async def test_http_server_refuses_oversized_bodies(monkeypatch: pytest.MonkeyPa
 def test_engine_decoding_equals_the_tokenizer_on_non_round_trip_ids(qwen_tokenizer: Any) -> None:
     import random as random_module
 
-    from rollout_buffer.testing.engine import NUM_REGULAR_TOKENS, _codec, noise_tokens
+    from rollout_buffer.testing.engine import noise_tokens
+    from rollout_buffer.testing.engine.codec import codec_for
+    from rollout_buffer.testing.tokenizer import NUM_REGULAR_TOKENS
 
-    codec = _codec(qwen_tokenizer)
+    codec = codec_for(qwen_tokenizer)
     rng = random_module.Random(3)
     special = [151643, 151644, 151645, 151657, 151658]
     for _ in range(300):
