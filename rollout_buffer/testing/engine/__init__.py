@@ -31,9 +31,10 @@ from rollout_buffer.testing.engine.config import EngineConfig
 from rollout_buffer.testing.engine.output import SGLANG_DEFAULT_MAX_NEW_TOKENS, Result
 from rollout_buffer.testing.engine.policy import Plan, noise_tokens
 from rollout_buffer.testing.engine.running import run_engine_in_thread, running_engine
-from rollout_buffer.testing.engine.server import TestEngine
+from rollout_buffer.testing.engine.server import ENGINE_ID_HEADER, TestEngine
 
 __all__ = [
+    "ENGINE_ID_HEADER",
     "SGLANG_DEFAULT_MAX_NEW_TOKENS",
     "EngineConfig",
     "Plan",

@@ -24,6 +24,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--template", choices=TEMPLATES, default="qwen2.5")
+    parser.add_argument("--engine-id", help="name of this engine in answers and stats (default: host:port)")
     defaults = EngineConfig()
     for name in _KNOBS:
         flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: serve until SIGINT/SIGTERM."""
     args = _parse_args(argv)
     knobs = {name: getattr(args, name) for name in _KNOBS}
-    engine = TestEngine(template=args.template, **knobs)
+    engine = TestEngine(template=args.template, engine_id=args.engine_id, **knobs)
 
     async def serve() -> None:
         stop = asyncio.Event()

@@ -92,6 +92,7 @@ def model_info(engine: TestEngine) -> dict[str, Any]:
         "weight_version": engine.config.weight_version,
         "has_image_understanding": False,
         "has_audio_understanding": False,
+        "engine_id": engine.engine_id,
     }
 
 

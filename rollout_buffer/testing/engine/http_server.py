@@ -65,10 +65,11 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 
 class HTTPServer:
-    """Routes (path -> method -> handler) served on one listening socket."""
+    """Routes (path -> method -> handler) served on one listening socket; `headers` go on every answer."""
 
-    def __init__(self, routes: dict[str, dict[str, Handler]]) -> None:
+    def __init__(self, routes: dict[str, dict[str, Handler]], headers: dict[str, str] | None = None) -> None:
         self.routes = routes
+        self.extra_head = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         self.connections: set[_HTTPConnection] = set()
         self._server: asyncio.AbstractServer | None = None
 
@@ -195,6 +196,7 @@ class _HTTPConnection(asyncio.Protocol):
         for name, value in response.headers.items():
             if name.lower() not in ("content-length", "transfer-encoding", "connection"):
                 head.append(f"{name}: {value}\r\n")
+        head.append(self.server.extra_head)
         if not keep_alive:
             head.append("Connection: close\r\n")
         head.append("\r\n")

@@ -37,10 +37,16 @@ from rollout_buffer.testing.engine.stats import EngineStats
 from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
 
 Build = Callable[["TestEngine", dict[str, Any], str], Awaitable[Any]]
+ENGINE_ID_HEADER = "X-Test-Engine-Id"
 
 
 class TestEngine:
-    """SGLang-compatible HTTP server for tests (see the package docstring)."""
+    """SGLang-compatible HTTP server for tests (see the package docstring).
+
+    `engine_id` names this instance (in `/get_model_info`, `/_test/stats` and the `X-Test-Engine-Id` header
+    of every answer), so a test behind a router can tell engines apart; by default it is the bound
+    `host:port`.
+    """
 
     __test__ = False  # not a pytest test class
 
@@ -53,10 +59,13 @@ class TestEngine:
         model_path: str | None = None,
         responder: Responder | None = None,
         config: EngineConfig | None = None,
+        engine_id: str | None = None,
         **config_values: Any,
     ) -> None:
         if template not in TEMPLATES:
             raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
+        if engine_id is not None and not (engine_id.isascii() and engine_id.isprintable() and engine_id.strip()):
+            raise ValueError(f"engine_id must be printable ASCII (it is sent as a header), got {engine_id!r}")
         self.template = template
         if tokenizer is None:
             tokenizer = load_qwen_tokenizer(template)
@@ -76,6 +85,8 @@ class TestEngine:
         self.policy = ScriptedPolicy(self.codec, template, self.eos_id, self.config, responder)
         self.faults = FaultInjector(self.config, self.stats, self._lock)
         self.inflight = InFlight()
+        self._given_id = engine_id
+        self.engine_id: str | None = engine_id
         self._closing: asyncio.Event | None = None
         self._server: HTTPServer | None = None
         self._url: str | None = None
@@ -98,7 +109,8 @@ class TestEngine:
         sock = socket.create_server((host, port), family=family, backlog=4096)
         bound_port = sock.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
-        self._server = HTTPServer(routes(self))
+        self.engine_id = self._given_id or f"{shown}:{bound_port}"
+        self._server = HTTPServer(routes(self), headers={ENGINE_ID_HEADER: self.engine_id})
         await self._server.start(sock)
         self._url = f"http://{shown}:{bound_port}"
         return self._url
@@ -128,7 +140,7 @@ class TestEngine:
 
     def stats_dict(self) -> dict[str, Any]:
         with self._lock:
-            return self.stats.as_dict()
+            return {"engine_id": self.engine_id, **self.stats.as_dict()}
 
     def reset_stats(self) -> None:
         with self._lock:
