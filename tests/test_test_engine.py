@@ -377,6 +377,55 @@ async def test_update_weight_version(session: aiohttp.ClientSession) -> None:
         assert info["weight_version"] == "v8"
 
 
+async def test_generate_reports_the_current_weight_version(session: aiohttp.ClientSession) -> None:
+    async with running_engine(weight_version="w0") as eng:
+        first = await generate(session, eng, [1, 2, 3], rid="before")
+        assert first["meta_info"]["weight_version"] == "w0"
+        status, _ = await post(session, eng.url + "/update_weight_version", {"new_version": "w1"})
+        assert status == 200
+        after = await generate(session, eng, [1, 2, 3], rid="before")
+        assert after["meta_info"]["weight_version"] == "w1"
+        assert after["output_ids"] == first["output_ids"], "the version is reported, the scripted output is the same"
+        status, batch = await post(session, eng.url + "/generate", {"input_ids": [[1, 2], [3, 4]], "rid": ["b0", "b1"]})
+        assert status == 200 and [out["meta_info"]["weight_version"] for out in batch] == ["w1", "w1"]
+        status, chat = await post(
+            session, eng.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "What is 2 + 3?"}]}
+        )
+        assert status == 200 and chat["metadata"]["weight_version"] == "w1"
+        async with session.get(eng.url + "/get_server_info") as resp:
+            server = await resp.json()
+        assert server["weight_version"] == "w1" and server["internal_states"] == [{"weight_version": "w1"}]
+
+
+async def test_engine_ids_and_request_counters_tell_engines_apart(session: aiohttp.ClientSession) -> None:
+    async with running_engine(engine_id="engine-a") as named, running_engine() as unnamed:
+        assert unnamed.engine_id == unnamed.url.removeprefix("http://"), "by default an engine is its host:port"
+        sent = {named.url: 3, unnamed.url: 5}
+        for url, count in sent.items():
+            for i in range(count):
+                async with session.post(url + "/generate", json={"input_ids": [1, 2, i]}) as resp:
+                    assert resp.status == 200
+                    served_by = resp.headers["X-Test-Engine-Id"]
+                assert served_by == ("engine-a" if url == named.url else unnamed.engine_id)
+        async with session.get(named.url + "/no_such_path") as resp:  # every answer names its engine
+            assert resp.status == 404 and resp.headers["X-Test-Engine-Id"] == "engine-a"
+        for eng in (named, unnamed):
+            async with session.get(eng.url + "/get_model_info") as resp:
+                assert (await resp.json())["engine_id"] == eng.engine_id
+            async with session.get(eng.url + "/_test/stats") as resp:
+                stats = await resp.json()
+            assert stats["engine_id"] == eng.engine_id
+            assert stats["requests"] == stats["completed"] == sent[eng.url]
+            assert stats["endpoints"] == {"/generate": sent[eng.url], "/get_model_info": 1}
+        status, _ = await post(session, named.url + "/_test/reset_stats", {})
+        assert status == 200
+        assert named.stats_dict()["requests"] == 0 and named.stats_dict()["engine_id"] == "engine-a"
+        assert unnamed.stats_dict()["requests"] == 5
+    for bad in ("", "two\nlines", "naïve"):
+        with pytest.raises(ValueError, match="engine_id"):
+            TestEngine(engine_id=bad)
+
+
 async def test_info_and_health_endpoints(engine: TestEngine, session: aiohttp.ClientSession) -> None:
     for path in ("/health", "/health_generate"):
         async with session.get(engine.url + path) as resp:
@@ -460,7 +509,8 @@ def test_run_engine_in_thread_for_sync_tests() -> None:
 def test_cli_serves_until_terminated(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_buffer.testing.engine", "--port", "0", "--seed", "5", "--template", "qwen3"],
+        [sys.executable, "-m", "rollout_buffer.testing.engine", "--port", "0", "--seed", "5", "--template", "qwen3",
+         "--engine-id", "cli-engine"],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -472,7 +522,9 @@ def test_cli_serves_until_terminated(tmp_path: Path) -> None:
         url = line.strip().rsplit(" ", 1)[-1]
         with urllib.request.urlopen(url + "/get_server_info", timeout=10) as resp:
             info = json.loads(resp.read())
+            assert resp.headers["X-Test-Engine-Id"] == "cli-engine"
         assert info["chat_template"] == "qwen3" and info["test_engine_config"]["seed"] == 5
+        assert info["engine_id"] == "cli-engine"
         proc.terminate()
         assert proc.wait(timeout=10) == 0
     finally:
@@ -531,9 +583,9 @@ async def test_http_server_keeps_alive_answers_pipelined_requests_in_order_and_r
 
 async def test_http_server_refuses_oversized_bodies(monkeypatch: pytest.MonkeyPatch, engine: TestEngine,
                                                     session: aiohttp.ClientSession) -> None:
-    import rollout_buffer.testing.engine as engine_module
+    from rollout_buffer.testing.engine import http_server
 
-    monkeypatch.setattr(engine_module, "_MAX_BODY", 1000)
+    monkeypatch.setattr(http_server, "_MAX_BODY", 1000)
     async with session.post(engine.url + "/generate", json={"input_ids": list(range(1000))}) as resp:
         assert resp.status == 413
     status, _ = await post(session, engine.url + "/generate", {"input_ids": [1, 2]})
@@ -543,9 +595,11 @@ async def test_http_server_refuses_oversized_bodies(monkeypatch: pytest.MonkeyPa
 def test_engine_decoding_equals_the_tokenizer_on_non_round_trip_ids(qwen_tokenizer: Any) -> None:
     import random as random_module
 
-    from rollout_buffer.testing.engine import NUM_REGULAR_TOKENS, _codec, noise_tokens
+    from rollout_buffer.testing.engine import noise_tokens
+    from rollout_buffer.testing.engine.codec import codec_for
+    from rollout_buffer.testing.tokenizer import NUM_REGULAR_TOKENS
 
-    codec = _codec(qwen_tokenizer)
+    codec = codec_for(qwen_tokenizer)
     rng = random_module.Random(3)
     special = [151643, 151644, 151645, 151657, 151658]
     for _ in range(300):

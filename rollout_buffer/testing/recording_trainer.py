@@ -28,6 +28,7 @@ from aiohttp import web
 from rollout_buffer.chat_format import parse_assistant_text
 from rollout_buffer.remote.token_fix import end_of_turn_id
 from rollout_buffer.testing.engine import TestEngine
+from rollout_buffer.testing.engine.running import background_loop
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
 
 
@@ -345,13 +346,7 @@ def run_recording_trainer_in_thread(*, engine_url: str | None = None, template: 
                                     **engine_kwargs: Any) -> Iterator[RecordingTrainer]:
     """Run a RecordingTrainer (and, without `engine_url`, its own TestEngine) on a loop in a daemon thread."""
     tokenizer = tokenizer if tokenizer is not None else load_qwen_tokenizer(template)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="recording-trainer", daemon=True)
-    thread.start()
     engine: TestEngine | None = None
-
-    def run(coro: Any, timeout: float = 60) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=timeout)
 
     async def build() -> RecordingTrainer:
         nonlocal engine
@@ -363,17 +358,14 @@ def run_recording_trainer_in_thread(*, engine_url: str | None = None, template: 
         await trainer.start()
         return trainer
 
-    trainer: RecordingTrainer | None = None
-    try:
-        trainer = run(build())
-        yield trainer
-    finally:
-        with contextlib.suppress(Exception):
-            if trainer is not None:
-                run(trainer.stop(), 30)
-            if engine is not None:
-                run(engine.stop(), 30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        if not thread.is_alive():
-            loop.close()
+    with background_loop("recording-trainer") as run:
+        trainer: RecordingTrainer | None = None
+        try:
+            trainer = run(build())
+            yield trainer
+        finally:
+            with contextlib.suppress(Exception):
+                if trainer is not None:
+                    run(trainer.stop(), 30)
+                if engine is not None:
+                    run(engine.stop(), 30)

@@ -1,0 +1,74 @@
+"""The test engine's run-time knobs (latency, answer quality, noise, fault rates and counts, weight version).
+
+One dataclass, changeable while the engine serves (``POST /_test/config``, ``TestEngine.configure``), so
+values are validated here, all or nothing: a bad key or value changes nothing and names the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    """Run-time knobs; every field can be changed over HTTP with ``POST /_test/config``."""
+
+    seed: int = 0
+    latency_s: float = 0.0
+    latency_jitter_s: float = 0.0
+    p_correct: float = 0.5
+    noise_tokens: tuple[int, int] = (4, 16)
+    error_rate: float = 0.0
+    abort_rate: float = 0.0
+    hang_rate: float = 0.0
+    malformed_rate: float = 0.0
+    fail_next: int = 0
+    abort_next: int = 0
+    hang_next: int = 0
+    malformed_next: int = 0
+    weight_version: str = "default"
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Apply validated changes; unknown keys or bad values raise ValueError."""
+        known = {f.name for f in dataclasses.fields(self)}
+        staged: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ValueError(f"unknown config key {key!r}; known: {sorted(known)}")
+            staged[key] = _coerce(key, value)
+        for key, value in staged.items():
+            setattr(self, key, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["noise_tokens"] = list(self.noise_tokens)
+        return data
+
+
+_FLOAT_KEYS = {"latency_s", "latency_jitter_s", "p_correct", "error_rate", "abort_rate", "hang_rate", "malformed_rate"}
+_INT_KEYS = {"seed", "fail_next", "abort_next", "hang_next", "malformed_next"}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """One value in its field's type and range (probabilities in [0, 1], counts and delays >= 0)."""
+    if key in _FLOAT_KEYS:
+        number = float(value)
+        if number < 0 or ((key.endswith("_rate") or key == "p_correct") and number > 1):
+            raise ValueError(f"{key} out of range: {value!r}")
+        return number
+    if key in _INT_KEYS:
+        number = int(value)
+        if number < 0 and key != "seed":
+            raise ValueError(f"{key} must be >= 0")
+        return number
+    if key == "noise_tokens":
+        if isinstance(value, int):
+            low = high = value
+        else:
+            low, high = (int(v) for v in value)
+        if not 0 <= low <= high:
+            raise ValueError(f"noise_tokens must be 0 <= low <= high, got {value!r}")
+        return (low, high)
+    return str(value)

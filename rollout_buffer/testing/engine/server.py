@@ -1,0 +1,221 @@
+"""`TestEngine`: one SGLang-protocol test engine, its lifecycle and its generation path.
+
+It ties the parts together: the HTTP server and route table, the scripted policy that plans each output,
+SGLang's output rules that cut it, the latency wait that aborts can interrupt, and the faults picked per
+generation request. Shared state (config, stats) is guarded by one lock, since tests change the config
+from other threads while the engine serves on its own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from rollout_buffer.testing.engine.answers import Responder
+from rollout_buffer.testing.engine.codec import codec_for
+from rollout_buffer.testing.engine.config import EngineConfig
+from rollout_buffer.testing.engine.endpoints import routes
+from rollout_buffer.testing.engine.faults import ABORT_MESSAGE, Fault, FaultInjector
+from rollout_buffer.testing.engine.http_server import BadRequest, HTTPServer, Request, json_response, read_json
+from rollout_buffer.testing.engine.inflight import InFlight
+from rollout_buffer.testing.engine.output import (
+    SGLANG_DEFAULT_MAX_NEW_TOKENS,
+    Result,
+    check_token_ids,
+    finish,
+    output_text,
+)
+from rollout_buffer.testing.engine.policy import ScriptedPolicy
+from rollout_buffer.testing.engine.stats import EngineStats
+from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
+
+Build = Callable[["TestEngine", dict[str, Any], str], Awaitable[Any]]
+ENGINE_ID_HEADER = "X-Test-Engine-Id"
+
+
+class TestEngine:
+    """SGLang-compatible HTTP server for tests (see the package docstring).
+
+    `engine_id` names this instance (in `/get_model_info`, `/_test/stats` and the `X-Test-Engine-Id` header
+    of every answer), so a test behind a router can tell engines apart; by default it is the bound
+    `host:port`.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self,
+        *,
+        template: str = "qwen2.5",
+        tokenizer: Any | None = None,
+        tokenizer_path: str | None = None,
+        model_path: str | None = None,
+        responder: Responder | None = None,
+        config: EngineConfig | None = None,
+        engine_id: str | None = None,
+        **config_values: Any,
+    ) -> None:
+        if template not in TEMPLATES:
+            raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
+        if engine_id is not None and not (engine_id.isascii() and engine_id.isprintable() and engine_id.strip()):
+            raise ValueError(f"engine_id must be printable ASCII (it is sent as a header), got {engine_id!r}")
+        self.template = template
+        if tokenizer is None:
+            tokenizer = load_qwen_tokenizer(template)
+            tokenizer_path = tokenizer_path or str(qwen_tokenizer_dir(template))
+        self.tokenizer = tokenizer
+        self.tokenizer_path = tokenizer_path or str(getattr(tokenizer, "name_or_path", ""))
+        self.model_path = model_path or self.tokenizer_path
+        self.config = config or EngineConfig()
+        self.config.update(config_values)
+        self.codec = codec_for(tokenizer)
+        self.eos_id: int = int(tokenizer.eos_token_id)
+        self.stop_ids: set[int] = {self.eos_id}
+        if tokenizer.pad_token_id is not None:
+            self.stop_ids.add(int(tokenizer.pad_token_id))
+        self.stats = EngineStats()
+        self._lock = threading.Lock()
+        self.policy = ScriptedPolicy(self.codec, template, self.eos_id, self.config, responder)
+        self.faults = FaultInjector(self.config, self.stats, self._lock)
+        self.inflight = InFlight()
+        self._given_id = engine_id
+        self.engine_id: str | None = engine_id
+        self._closing: asyncio.Event | None = None
+        self._server: HTTPServer | None = None
+        self._url: str | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def url(self) -> str:
+        """Base URL (``http://host:port``); only valid after start()."""
+        if self._url is None:
+            raise RuntimeError("engine not started")
+        return self._url
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving; port 0 picks a free port. Returns the URL."""
+        self._closing = asyncio.Event()
+        # Bind ourselves so port 0 works and the real port is known; a deep backlog lets
+        # a thousand clients connect at once without SYN retries.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=4096)
+        bound_port = sock.getsockname()[1]
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        self.engine_id = self._given_id or f"{shown}:{bound_port}"
+        self._server = HTTPServer(routes(self), headers={ENGINE_ID_HEADER: self.engine_id})
+        await self._server.start(sock)
+        self._url = f"http://{shown}:{bound_port}"
+        return self._url
+
+    async def stop(self) -> None:
+        """Release hung and in-flight requests, then close the server."""
+        if self._closing is not None:
+            self._closing.set()
+        self.inflight.abort(None, "Server is shutting down")
+        if self._server is not None:
+            await self._server.stop(grace_s=2.0)
+            self._server = None
+
+    async def __aenter__(self) -> TestEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def configure(self, **values: Any) -> None:
+        """Change config at run time (thread-safe); a new seed restarts the fault draws."""
+        with self._lock:
+            self.config.update(values)
+            if "seed" in values:
+                self.faults.reseed()
+
+    def stats_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"engine_id": self.engine_id, **self.stats.as_dict()}
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats.reset()
+
+    def count_endpoint(self, path: str) -> None:
+        with self._lock:
+            self.stats.endpoints[path] = self.stats.endpoints.get(path, 0) + 1
+
+    # ----------------------------------------------------------------- generation
+
+    async def generate_one(
+        self,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        rid: str | None,
+        fault: str,
+        *,
+        default_max: int = SGLANG_DEFAULT_MAX_NEW_TOKENS,
+        index: int = 0,
+    ) -> Result:
+        """Plan, wait out the latency (abortable), and cut the output as SGLang would."""
+        check_token_ids(prompt_ids, self.codec.vocab_size)
+        raw_temperature = params.get("temperature")
+        temperature = 1.0 if raw_temperature is None else float(raw_temperature)
+        rng = self.policy.request_rng(prompt_ids, rid, temperature, index)
+        max_new = params.get("max_new_tokens")
+        extra = int(max_new) if params.get("ignore_eos") and max_new is not None else 0
+        plan = self.policy.plan(prompt_ids, rng, extra_tokens=extra)
+        count, reason = finish(plan, params, default_max, self.stop_ids, self.codec)
+        request_id = rid or uuid.uuid4().hex
+        delay = self.config.latency_s + rng.uniform(0, self.config.latency_jitter_s)
+        aborted = await self.inflight.wait(request_id, delay)
+        if aborted is not None:
+            message, elapsed_share = aborted
+            count = min(count - 1, int(count * elapsed_share)) if count else 0
+            reason = {"type": "abort", "message": message}
+            with self._lock:
+                self.stats.aborts += 1
+                self.stats.aborts_requested += 1
+        elif fault == Fault.ABORT:
+            count = self.faults.abort_at(count, rng)
+            reason = {"type": "abort", "message": ABORT_MESSAGE}
+        ids = plan.ids[: max(count, 0)]
+        text = output_text(ids, reason, params, self.codec)
+        with self._lock:
+            self.stats.prompt_tokens += len(prompt_ids)
+            self.stats.generated_tokens += len(ids)
+        return Result(ids, plan.logprobs[: len(ids)], reason, text, list(prompt_ids), request_id)
+
+    async def serve_generation(self, request: Request, build: Build) -> web.Response:
+        """Shared path for generation endpoints: counting, faults, errors, malformed bodies."""
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.in_flight += 1
+            self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+            if request.headers.get("X-SMG-Routing-Key"):
+                self.stats.routing_key_requests += 1
+        try:
+            fault = self.faults.pick()
+            if fault in (Fault.ERROR, Fault.HANG):
+                assert self._closing is not None
+                return await self.faults.answer_instead(fault, self._closing)
+            try:
+                payload = await build(self, await read_json(request), fault)
+            except BadRequest as exc:
+                with self._lock:
+                    self.stats.bad_requests += 1
+                return json_response({"error": {"message": str(exc)}, "object": "error"}, 400)
+            body = orjson.dumps(payload)
+            with self._lock:
+                self.stats.completed += 1
+            if fault == Fault.MALFORMED:
+                return self.faults.malformed(body)
+            return web.Response(body=body, content_type="application/json")
+        finally:
+            with self._lock:
+                self.stats.in_flight -= 1
