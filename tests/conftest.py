@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,23 @@ from tests.helpers import SlimeLikeDataBuffer
 
 if TYPE_CHECKING:
     from tests.browser import OfflineBrowser
+
+# Deprecation warnings these libraries raise as UserWarning subclasses (so `error::DeprecationWarning` in
+# pyproject.toml does not catch them): they only fire on a deprecated use, which would be ours.
+LIBRARY_DEPRECATIONS = ("fastapi.exceptions.FastAPIDeprecationWarning",
+                        "starlette.exceptions.StarletteDeprecationWarning",
+                        "uvicorn.config.UvicornDeprecationWarning")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Turn the library deprecation warnings above into errors, for the versions that define them."""
+    for dotted in LIBRARY_DEPRECATIONS:
+        module, _, name = dotted.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        config.addinivalue_line("filterwarnings", f"error::{dotted}")
 
 
 @pytest.fixture(scope="session")
