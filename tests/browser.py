@@ -20,6 +20,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 from urllib.parse import urlsplit
 
 from playwright.sync_api import BrowserContext, Page, Playwright, Request, sync_playwright
@@ -120,8 +121,10 @@ class OfflineBrowser:
             if self._playwright is not None:
                 self._playwright.stop()
 
-    def open(self, url: str, wait_for: str | None = None) -> PageVisit:
-        """Open `url` in a new tab, wait for the network to go idle (and for the `wait_for` selector)."""
+    def open(self, url: str, wait_for: str | None = None,
+             wait_until: Literal["commit", "domcontentloaded", "load", "networkidle"] = "networkidle") -> PageVisit:
+        """Open `url` in a new tab and wait for `wait_until` (a page that streams or polls without pause
+        never reaches "networkidle": use "load"), then for the `wait_for` selector."""
         assert self._context is not None, "use OfflineBrowser as a context manager"
         page = self._context.new_page()
         visit = PageVisit(page=page, shots_dir=self.tmp_dir)
@@ -130,7 +133,7 @@ class OfflineBrowser:
         page.on("console", lambda message: visit.console_errors.append(message.text)
                 if message.type == "error" else None)
         page.on("pageerror", lambda error: visit.page_errors.append(str(error)))
-        page.goto(url, wait_until="networkidle")
+        page.goto(url, wait_until=wait_until)
         if wait_for is not None:
             page.wait_for_selector(wait_for, state="attached")
         return visit
