@@ -25,6 +25,7 @@ from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
 from rollout_buffer.responses import OrjsonResponse
 from rollout_buffer.routes import ops, reads, runs, writes
+from rollout_buffer.routes.docs import install_docs
 from rollout_buffer.runs import Runtime
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
@@ -94,10 +95,12 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
             if embedded is not None:
                 await asyncio.to_thread(embedded.stop)
 
+    # docs pages with local assets (routes/docs.py) instead of FastAPI's CDN-loading ones
     app = FastAPI(title="rollout-buffer", version=__version__, lifespan=lifespan,
-                  default_response_class=OrjsonResponse)
+                  default_response_class=OrjsonResponse, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_openapi(app)
+    install_docs(app)
     for router in (runs.router, writes.router, reads.router, ops.router, remote_router):
         app.include_router(router)
     if settings.bench_routes:

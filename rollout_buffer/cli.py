@@ -7,12 +7,12 @@ a flag given on the command line wins.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from rollout_buffer.logs import configure_logging, hide_torch_notice
 from rollout_buffer.settings import Settings
 
 
@@ -59,16 +59,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def serve(settings: Settings) -> int:
     import uvicorn
 
     from rollout_buffer.api import create_app
 
-    _configure_logging(settings.log_level)
+    configure_logging(settings.log_level)
     app = create_app(settings)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the lifespan stops workers and Redis.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
@@ -77,6 +73,7 @@ def serve(settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hide_torch_notice()  # before any command imports transformers: the buffer needs no torch
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("test-engine", "demo", "bench"):
         command, rest = argv[0], argv[1:]
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(settings)
     from rollout_buffer.runtime.worker_main import run_worker
 
-    _configure_logging(settings.log_level)
+    configure_logging(settings.log_level)
     return run_worker(settings)
 
 

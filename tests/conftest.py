@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import importlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -12,6 +13,26 @@ from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
 from tests.helpers import SlimeLikeDataBuffer
+
+if TYPE_CHECKING:
+    from tests.browser import OfflineBrowser
+
+# Deprecation warnings these libraries raise as UserWarning subclasses (so `error::DeprecationWarning` in
+# pyproject.toml does not catch them): they only fire on a deprecated use, which would be ours.
+LIBRARY_DEPRECATIONS = ("fastapi.exceptions.FastAPIDeprecationWarning",
+                        "starlette.exceptions.StarletteDeprecationWarning",
+                        "uvicorn.config.UvicornDeprecationWarning")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Turn the library deprecation warnings above into errors, for the versions that define them."""
+    for dotted in LIBRARY_DEPRECATIONS:
+        module, _, name = dotted.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        config.addinivalue_line("filterwarnings", f"error::{dotted}")
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +51,17 @@ def qwen3_tokenizer() -> Any:
 def r1_tokenizer() -> Any:
     """The DeepSeek-R1-Distill-Qwen tokenizer (Qwen vocabulary, R1 markers)."""
     return load_qwen_tokenizer("r1_distill")
+
+
+@pytest.fixture()
+def offline_browser(tmp_path: Path) -> Iterator["OfflineBrowser"]:
+    """Headless Chromium with outbound network blocked and a fresh profile (see tests/browser.py):
+    `offline_browser.open(url, wait_for=selector)` -> a `PageVisit` with every request the page made;
+    `visit.screenshot(name)` saves under this test's tmp dir."""
+    from tests.browser import OfflineBrowser  # playwright is imported only by the tests that use it
+
+    with OfflineBrowser(tmp_path) as browser:
+        yield browser
 
 
 @pytest.fixture()

@@ -4,5 +4,6 @@
 * `writes`: `POST /buffer/write`, `/buffer/write_batch`, `/buffer/write_packed`
 * `reads`: `POST /get_rollout_data`
 * `ops`: `GET /health`, `/tasks`, `/metrics`
+* `docs`: `GET /docs`, `/redoc` and their assets under `/static/docs` (no CDN)
 * `rollout_buffer.remote.routes`: `POST /init`, `GET /init/{rollout_id}`
 """
