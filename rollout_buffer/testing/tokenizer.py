@@ -5,6 +5,8 @@ package ships the real Qwen BPE ranks. This module turns them into a Hugging Fac
 fast tokenizer (same ids as the released Qwen2.5 / Qwen3 / DeepSeek-R1-Distill-Qwen
 tokenizers for ordinary text and for their added tokens), attaches a chat template
 written from each model's documented format, and caches the result once per machine.
+"qwen3.5" is the Qwen3 vocabulary with a Qwen3.5-style template (trimmed message text,
+think blocks after the last user query, XML tool calls, `<think>\n` generation prompt).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TEMPLATES: tuple[str, ...] = ("qwen2.5", "qwen3", "r1_distill")
+TEMPLATES: tuple[str, ...] = ("qwen2.5", "qwen3", "qwen3.5", "r1_distill")
 
 # Bump when the build recipe changes so old caches are not reused.
 _BUILD_RECIPE = "qwen-bpe-v2"
@@ -100,6 +102,9 @@ class _Spec:
 _SPECS: dict[str, _Spec] = {
     "qwen2.5": _Spec(_QWEN25_ADDED, "qwen2_5.jinja", "<|im_end|>", "<|endoftext|>", None, False),
     "qwen3": _Spec(_QWEN3_ADDED, "qwen3.jinja", "<|im_end|>", "<|endoftext|>", None, False),
+    # Qwen3.5's template structure on the Qwen3 vocabulary (the released Qwen3.5 vocabulary is larger and
+    # not available offline): for exercising the template's shape, not Qwen3.5's own ids
+    "qwen3.5": _Spec(_QWEN3_ADDED, "qwen3_5.jinja", "<|im_end|>", "<|endoftext|>", None, False),
     "r1_distill": _Spec(_R1_ADDED, "r1_distill.jinja", R1_EOS, R1_EOS, R1_BOS, True),
 }
 
