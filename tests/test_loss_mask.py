@@ -480,3 +480,30 @@ def test_cached_generator_is_one_per_tokenizer_type_and_mode(qwen_tokenizer: Any
     assert cached_loss_mask_generator("qwen", qwen_tokenizer, True).verify == "full"
     with pytest.raises(ValueError, match="unknown loss mask type"):
         cached_loss_mask_generator("no_such_type", qwen_tokenizer)
+
+
+# --- slime's per-message step_loss_mask ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture,kind", ALL_TEMPLATES)
+def test_step_loss_mask_other_than_1_trains_nothing_of_that_message(
+    request: pytest.FixtureRequest, fixture: str, kind: str
+) -> None:
+    """As slime's generator: a message whose `step_loss_mask != 1` gets mask 0 on all its tokens; the ids,
+    the split and the other messages' masks do not change, and its edge tokens are not counted."""
+    tok = request.getfixturevalue(fixture)
+    first = {"role": "assistant", "content": "\n84.\n"}
+    messages = [SYSTEM, USER, first, {"role": "user", "content": "And Faust?"}, {"role": "assistant", "content": "Goethe."}]
+    gen = MultiTurnLossMaskGenerator(tok, kind, verify="full")
+    trained = gen.encode(messages)
+    skipped = gen.encode([*messages[:2], {**first, "step_loss_mask": 0}, *messages[3:]])
+    assert skipped.ids == trained.ids and skipped.response_start == trained.response_start
+    a, b = trained.spans.inner[0]
+    assert sum(trained.mask[a:b]) == b - a > 0 and skipped.mask[a:b] == [0] * (b - a)
+    assert skipped.mask[:a] == trained.mask[:a] and skipped.mask[b:] == trained.mask[b:]
+    if kind in ("qwen", "qwen3"):  # the leading "\n" merges with the header (qwen3_5 trims, R1's opener is added)
+        assert trained.edge_tokens >= 1 and trained.spans.edges[0]
+    assert skipped.edge_tokens == trained.edge_tokens - len(set(trained.spans.edges[0]) - set(trained.spans.edges[1]))
+    assert gen.encode([*messages[:2], {**first, "step_loss_mask": 1}, *messages[3:]]).mask == trained.mask
+    both = gen.encode([*messages[:2], {**first, "step_loss_mask": 0}, messages[3], {**messages[4], "step_loss_mask": 0.5}])
+    assert sum(both.mask) == 0 and both.edge_tokens == 0 and both.response_start == trained.response_start
