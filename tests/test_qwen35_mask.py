@@ -100,3 +100,26 @@ def test_arguments_are_parsed_as_sglang_does_without_touching_the_input() -> Non
     for bad in ('{"command": ', '["ls"]', '"ls"'):
         with pytest.raises(LossMaskError, match="not a JSON object"):
             normalize_tool_call_arguments([{"role": "assistant", "tool_calls": [{"function": {"name": "t", "arguments": bad}}]}])
+
+
+def test_qwen35_tokenizer_is_the_qwen3_vocabulary_with_its_own_template(tok: Any) -> None:
+    from rollout_buffer.testing.tokenizer import EXTRA_TEMPLATES, TEMPLATES, added_token_ids
+
+    assert "qwen3.5" in EXTRA_TEMPLATES and "qwen3.5" not in TEMPLATES
+    assert added_token_ids("qwen3.5") == added_token_ids("qwen3")
+    qwen3 = load_qwen_tokenizer("qwen3")
+    text = "<think>\nplain 日本語 🎉\n</think>\n\n<tool_call>"
+    assert tok.encode(text, add_special_tokens=False) == qwen3.encode(text, add_special_tokens=False)
+    messages = normalize_tool_call_arguments([
+        {"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "C", "tool_calls": [_call("ls")]}, {"role": "tool", "content": "R"}])
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True) == \
+        tok.encode(rendered, add_special_tokens=False)
+    assert rendered.endswith("<|im_start|>user\n<tool_response>\nR\n</tool_response><|im_end|>\n"
+                             "<|im_start|>assistant\n<think>\n")
+    thinking_off = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False)
+    assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    with pytest.raises(ValueError, match="qwen3.5"):
+        load_qwen_tokenizer("qwen9")
