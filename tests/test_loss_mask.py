@@ -375,6 +375,19 @@ def test_cheap_check_catches_ids_that_do_not_spell_the_span(qwen_tokenizer: Any)
     assert ids[first] == other, "verify='off' checks nothing beyond the span edges"
 
 
+def test_cheap_check_covers_edge_tokens_too(qwen_tokenizer: Any) -> None:
+    """An edge token is mask 0, but its id is still checked: a wrong id there is refused like any other."""
+    tok = qwen_tokenizer
+    messages = [USER, {"role": "assistant", "content": "\n84"}]
+    encoded = MultiTurnLossMaskGenerator(tok, "qwen").encode(messages)
+    (edge,) = encoded.spans.edges[0]
+    newline = tok.encode("\n", add_special_tokens=False)[0]
+    assert encoded.ids[edge] != newline
+    swap = lambda ids: [*ids[:edge], newline, *ids[edge + 1:]]  # noqa: E731  ("\n" where "\n\n" belongs)
+    with pytest.raises(LossMaskError, match="edge tokens included"):
+        _corrupting(MultiTurnLossMaskGenerator(tok, "qwen"), swap).get_loss_mask(messages)
+
+
 def test_cheap_check_catches_a_control_token_that_is_not_one_id(qwen_tokenizer: Any) -> None:
     tok = qwen_tokenizer
     start_id = tok.convert_tokens_to_ids("<|im_start|>")
