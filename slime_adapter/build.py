@@ -2,7 +2,11 @@
 
 The token path uses the engine's own ids and never touches a tokenizer. The message path re-renders the
 messages with the chat template (mask_source "retokenized") and is only as exact as that rendering; the
-sample's metadata says which one produced it.
+sample's metadata says which one produced it. On the message path, `metadata["mask_edge_tokens"]` counts
+the tokens that merge template and generated characters and therefore got mask 0 (the edge rule of
+`slime_adapter.token_spans`), and a conversation that is not a chat the template renders exactly is kept
+with an all-zero loss mask, flagged in `metadata["mask_refused"]` (the reason) and `remove_sample`, and
+counted (`BuildStats.mask_refused`); it never raises (see `slime_adapter.message_path`).
 
 A token-path record whose history forks yields one piece per fork. `fork_policy` says what the trainer
 receives: "all" keeps every piece (trainers that accept uneven groups); "last" keeps only the last piece,
@@ -19,6 +23,7 @@ from typing import Any
 
 from rollout_buffer.schema import TrajectoryRecord
 from slime_adapter.loss_mask import cached_loss_mask_generator
+from slime_adapter.message_path import build_message_path_sample
 from slime_adapter.sample import make_sample, status_from_record
 from slime_adapter.settings import FORK_POLICIES
 from slime_adapter.token_path import build_token_pieces
@@ -55,6 +60,10 @@ class BuildStats:
     fork_dropped_tokens: int = 0
     #: the policy-generated (mask 1) tokens among those: sampled, but not trained on
     fork_dropped_generated_tokens: int = 0
+    #: message-path tokens that merge template and generated characters (mask 0 by the edge rule)
+    mask_edge_tokens: int = 0
+    #: message-path records refused (not a chat the template renders exactly): kept with an all-zero mask
+    mask_refused: int = 0
     pieces: list[dict[str, int]] = field(default_factory=list)
 
     def add_piece(self, prompt_tokens: int, response_tokens: int, generated_tokens: int) -> None:
@@ -78,6 +87,8 @@ class BuildStats:
         self.fork_dropped_pieces += other.fork_dropped_pieces
         self.fork_dropped_tokens += other.fork_dropped_tokens
         self.fork_dropped_generated_tokens += other.fork_dropped_generated_tokens
+        self.mask_edge_tokens += other.mask_edge_tokens
+        self.mask_refused += other.mask_refused
         self.pieces.extend(other.pieces)
 
 
@@ -187,9 +198,15 @@ def _message_path_samples(
 ) -> tuple[list[Any], BuildStats]:
     stats = BuildStats(records=1, retokenized_records=1)
     fields = _base_fields(record, status, MASK_SOURCE_RETOKENIZED, group_index)
-    if record.messages:
-        generator = cached_loss_mask_generator(loss_mask_type, tokenizer_getter(), verify)
-        prompt_ids, response_ids, mask = generator.get_prompt_response(record.messages, record.tools)
+    meta = fields["metadata"]
+    generator = cached_loss_mask_generator(loss_mask_type, tokenizer_getter(), verify)
+    built = build_message_path_sample(generator, record.messages, record.tools, uid=record.uid)
+    prompt_ids, response_ids, mask = built.prompt_ids, built.response_ids, list(built.loss_mask)
+    meta["mask_edge_tokens"] = built.edge_tokens
+    if built.refused is not None:
+        meta["mask_refused"] = built.refused
+        stats.mask_refused = 1
+    else:
         last = record.messages[-1]
         reason = record.finish_reason or record.extra_info.get("finish_reason")
         if last.get("role") == "assistant" and reason in _CUT_OFF and 1 in mask:
@@ -197,9 +214,8 @@ def _message_path_samples(
             end = len(mask) - 1 - mask[::-1].index(1)
             if response_ids[end] == generator.end_token_id:
                 mask[end] = 0
-                fields["metadata"]["end_token_unmasked"] = True
-    else:
-        prompt_ids, response_ids, mask = [], [], []
+                meta["end_token_unmasked"] = True
+    stats.mask_edge_tokens = built.edge_tokens
     versions = [str(record.weight_version)] if record.weight_version is not None else []
     sample = make_sample(
         **fields,
@@ -209,8 +225,9 @@ def _message_path_samples(
         loss_mask=mask,
         rollout_log_probs=None,
         weight_versions=versions,
+        remove_sample=built.refused is not None,
     )
-    assert len(sample.loss_mask) == sample.response_length
+    assert len(sample.loss_mask) == sample.response_length >= 1
     stats.add_piece(len(prompt_ids), len(response_ids), sum(mask))
     return [sample], stats
 
@@ -227,9 +244,11 @@ def build_samples(
     """Samples of one record (more than one when its token history forks and `fork_policy` is "all")
     and their counts.
 
-    `tokenizer_getter()` is called only on the message path, so token-path records never load one.
-    `verify` is the message path's check of its tokens against the chat template ("cheap", "full",
-    "off"; see `slime_adapter.loss_mask`).
+    `tokenizer_getter()` is called only on the message path, so token-path records never load one (a
+    getter that fails, e.g. no tokenizer configured, raises: that is configuration, not data). `verify` is
+    the message path's check of its tokens against the chat template ("cheap", "full", "off"; see
+    `slime_adapter.loss_mask`). A message-path conversation that cannot be rendered exactly never raises:
+    it comes back refused (module docstring).
     """
     _check_fork_policy(fork_policy)
     rec = record if isinstance(record, TrajectoryRecord) else TrajectoryRecord.model_validate(record)

@@ -1,25 +1,41 @@
 """Message path: tokens and loss mask re-derived from chat messages (the fallback when `turns` are absent).
 
 The conversation is rendered once to text with the tokenizer's own chat template and tokenized once with
-character offsets. Each template type knows where an assistant message's generated text sits in that
-rendering (after the assistant header, through the end-of-turn token); those character spans become token
-spans through the offsets. A span that cannot be found unambiguously, or a token that straddles a span
-edge, raises `LossMaskError`: principle 2 forbids guessing.
+character offsets. A span locator (`slime_adapter.span_locators`, one per template type) says where each
+assistant message's generated text sits in that rendering (after the assistant header, through the
+end-of-turn token); those character spans become token spans through the offsets under one rule
+(`slime_adapter.token_spans`): a token trains only if every character of it is generated text. A token
+that merges template and generated characters (e.g. the header's `\\n` and a generated leading `\\n` as one
+`\\n\\n` token) is an *edge token*: mask 0, counted in `Encoding.edge_tokens`. A token straddling the start
+of the first assistant span belongs to the prompt: the response begins at the first token that starts at
+or after that span's first character, so `len(loss_mask) == response_length` holds by construction.
+
+A message with slime's `step_loss_mask` set to anything but 1 trains nothing (its span stays in the
+response, mask 0, and its edge tokens are not counted), as slime's own generator does.
 
 Why the ids equal `apply_chat_template(messages, tools=..., tokenize=True)`: that call renders with the
 same template function (`tokenize=False` returns exactly the text it would tokenize) and then tokenizes
 the text with `tokenizer(text, add_special_tokens=False)` under the tokenizer's `split_special_tokens`
 setting. We tokenize the same text the same way (straight through the Rust backend when its state is the
-one that call would set, else through that very call). `verify` says how much of that is re-checked:
+one that call would set, else through that very call). Edge tokens change only the mask, never the ids.
+(`qwen3_5` first parses tool-call `arguments` JSON strings into mappings, as SGLang does before applying
+a template; the ids then equal `apply_chat_template` of those prepared messages.) `verify` says how much
+of that is re-checked:
 
 - "cheap" (default): invariants costing a few percent of the build. Every control token the locator
   knows (`<|im_start|>`, `<|im_end|>`, ...) that is an added token appears in the ids exactly as often as
-  in the text (special-token handling), offsets are monotone and end at the text's end, every span starts
-  and ends on a token boundary and ends with the end-of-turn id, and the mask-1 tokens of each span decode
-  to exactly the span's text (modulo the tokenizer's own normalizer).
+  in the text (special-token handling), each span's last whole token is the end-of-turn id, and the
+  tokens touching each span (its mask-1 tokens and its edge tokens) decode to exactly the text their
+  offsets cover (modulo the tokenizer's own normalizer), so edge tokens are checked as strictly as the
+  rest.
 - "full": the cheap checks plus a second, independent `apply_chat_template(..., tokenize=True)` compared
   token for token. It doubles the cost; tests and debugging use it.
-- "off": no checks beyond what building the mask needs (span edges on token boundaries).
+- "off": no checks beyond what building the mask needs.
+
+Refusal: `encode` raises `LossMaskError` (or the template's own error) for input that is not a chat this
+template renders: text that does not parse as its structure (template control tokens inside message
+text), a rendering that raises (a role the template rejects), a failed check. The sample builder never
+lets that out: `slime_adapter.message_path` turns it into a refused, zero-mask sample.
 
 Prompt cache: the samples of one group share their prompt (system text, tool schemas, the task), so the
 rendering up to the first assistant block's opener is tokenized once per group, not once per record. The
@@ -33,14 +49,25 @@ The cheap checks still run over the joined ids.
 from __future__ import annotations
 
 import threading
-from abc import ABC, abstractmethod
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice
-from operator import le
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
+
+from slime_adapter.span_locators import (
+    AssistantSpanLocator,
+    CharSpan,
+    ChatMLSpanLocator,
+    DistillQwenSpanLocator,
+    LossMaskError,
+    Qwen3SpanLocator,
+    Qwen35SpanLocator,
+    assistant_messages,
+    locator_class,
+    loss_mask_types,
+    register_loss_mask_type,
+)
+from slime_adapter.token_spans import SpanTokens, is_sorted, mask_from_offsets, token_ranges
 
 __all__ = [
     "LossMaskError",
@@ -48,7 +75,9 @@ __all__ = [
     "AssistantSpanLocator",
     "ChatMLSpanLocator",
     "Qwen3SpanLocator",
+    "Qwen35SpanLocator",
     "DistillQwenSpanLocator",
+    "Encoding",
     "MultiTurnLossMaskGenerator",
     "VERIFY_MODES",
     "VerifyMode",
@@ -63,248 +92,9 @@ VerifyMode = Literal["cheap", "full", "off"]
 VERIFY_MODES: tuple[str, ...] = ("cheap", "full", "off")
 
 
-class LossMaskError(ValueError):
-    """The rendering does not let us say exactly which tokens the policy generated."""
-
-
-@dataclass(frozen=True)
-class CharSpan:
-    """Half-open character range `[start, end)` of one assistant message's generated text."""
-
-    start: int
-    end: int
-
-
-def _text_of(content: Any) -> str:
-    """Message content as the templates render it (string, or the text parts of a list)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)
-
-
-def _assistant_messages(messages: Sequence[Message]) -> list[Message]:
-    return [m for m in messages if m.get("role") == "assistant"]
-
-
-class AssistantSpanLocator(ABC):
-    """Knows one chat template's structure: where each assistant message's generated text is rendered."""
-
-    #: the end-of-turn token the policy generates to close a message (masked 1)
-    end_token: ClassVar[str]
-    #: text that starts one rendered tool call inside an assistant span
-    tool_call_marker: ClassVar[str]
-
-    @classmethod
-    def control_tokens(cls) -> tuple[str, ...]:
-        """Template control strings; those that are added tokens of the tokenizer must each become exactly
-        one id per occurrence (the cheap check of special-token handling)."""
-        return (cls.end_token,)
-
-    @abstractmethod
-    def find_spans(self, text: str) -> list[CharSpan]:
-        """Every assistant-generated span in `text`, in order; raise `LossMaskError` if ambiguous."""
-
-    def locate(self, text: str, messages: Sequence[Message]) -> list[CharSpan]:
-        """Spans matched one-to-one with the assistant messages, each checked against its message."""
-        spans = self.find_spans(text)
-        assistants = _assistant_messages(messages)
-        if len(spans) != len(assistants):
-            raise LossMaskError(
-                f"rendering has {len(spans)} assistant span(s) for {len(assistants)} assistant message(s); "
-                "message text probably contains template control tokens"
-            )
-        for i, (span, message) in enumerate(zip(spans, assistants)):
-            self.check_span(text[span.start:span.end], message, i)
-        return spans
-
-    def check_span(self, span_text: str, message: Message, index: int) -> None:
-        """Cheap consistency check that span `index` really renders `message`."""
-        if not span_text.endswith(self.end_token):
-            raise LossMaskError(f"assistant span {index} does not end with {self.end_token!r}")
-        answer = _text_of(message.get("content")).split("</think>")[-1].strip()
-        if answer and answer not in span_text:
-            raise LossMaskError(f"assistant span {index} does not contain its message's content")
-        calls = message.get("tool_calls") or []
-        if span_text.count(self.tool_call_marker) < len(calls):
-            raise LossMaskError(f"assistant span {index} renders fewer than its {len(calls)} tool call(s)")
-
-
-class ChatMLSpanLocator(AssistantSpanLocator):
-    """Qwen2.5 ChatML: `<|im_start|>ROLE\\n ... <|im_end|>\\n` blocks; assistant text follows `assistant\\n`.
-
-    Qwen2.5 renders an assistant with only tool calls as `<|im_start|>assistant` + `\\n<tool_call>...`, which
-    is the same characters: the generated part still starts right after `assistant\\n`.
-    """
-
-    start_token: ClassVar[str] = "<|im_start|>"
-    end_token: ClassVar[str] = "<|im_end|>"
-    tool_call_marker: ClassVar[str] = "<tool_call>"
-    assistant_header: ClassVar[str] = "assistant\n"
-
-    @classmethod
-    def control_tokens(cls) -> tuple[str, ...]:
-        return (cls.start_token, cls.end_token)
-
-    def find_spans(self, text: str) -> list[CharSpan]:
-        spans: list[CharSpan] = []
-        start_tok, end_tok = self.start_token, self.end_token
-        pos = 0
-        while True:
-            begin = text.find(start_tok, pos)
-            if begin < 0:
-                if text[pos:].strip():
-                    raise LossMaskError(f"text after the last {end_tok} block: {text[pos:pos + 40]!r}")
-                return spans
-            if text[pos:begin].strip():
-                raise LossMaskError(f"text outside any {start_tok} block at char {pos}: {text[pos:begin][:40]!r}")
-            body = begin + len(start_tok)
-            finish = text.find(end_tok, body)
-            following = text.find(start_tok, body)
-            if finish < 0 or (0 <= following < finish):
-                if text.startswith(self.assistant_header, body):
-                    raise LossMaskError(f"assistant block at char {begin} has no {end_tok} before the next block")
-                if finish < 0:
-                    return spans  # an unterminated non-assistant block ends the text (generation prompt)
-                raise LossMaskError(f"block at char {begin} is not closed before the next {start_tok}")
-            if text.startswith(self.assistant_header, body):
-                spans.append(CharSpan(body + len(self.assistant_header), finish + len(end_tok)))
-            pos = finish + len(end_tok)
-
-
-class Qwen3SpanLocator(ChatMLSpanLocator):
-    """Qwen3: ChatML plus `<think>` blocks. The template drops reasoning from turns before the last user
-    query, so the mask covers exactly what the rendering contains (reasoning only where it is shown)."""
-
-
-class DistillQwenSpanLocator(AssistantSpanLocator):
-    """DeepSeek-R1-Distill-Qwen: `<｜Assistant｜>TEXT<｜end▁of▁sentence｜>`; after tool outputs the answer
-    follows `<｜tool▁outputs▁end｜>` directly (no assistant marker), so both open a generated span."""
-
-    end_token: ClassVar[str] = "<｜end▁of▁sentence｜>"
-    tool_call_marker: ClassVar[str] = "<｜tool▁call▁begin｜>"
-    openers: ClassVar[tuple[str, ...]] = ("<｜Assistant｜>", "<｜tool▁outputs▁end｜>")
-    forbidden_inside: ClassVar[tuple[str, ...]] = (
-        "<｜User｜>",
-        "<｜Assistant｜>",
-        "<｜tool▁outputs▁begin｜>",
-        "<｜tool▁output▁begin｜>",
-        "<｜tool▁outputs▁end｜>",
-        "<｜begin▁of▁sentence｜>",
-    )
-
-    @classmethod
-    def control_tokens(cls) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((cls.end_token, *cls.openers, *cls.forbidden_inside)))
-
-    def find_spans(self, text: str) -> list[CharSpan]:
-        starts: list[tuple[int, str]] = []
-        for opener in self.openers:
-            pos = text.find(opener)
-            while pos >= 0:
-                starts.append((pos, opener))
-                pos = text.find(opener, pos + len(opener))
-        starts.sort()
-        spans: list[CharSpan] = []
-        for pos, opener in starts:
-            body = pos + len(opener)
-            finish = text.find(self.end_token, body)
-            if finish < 0:
-                if opener == "<｜tool▁outputs▁end｜>" and not text[body:].strip():
-                    continue  # the conversation ends on tool outputs: nothing generated yet
-                raise LossMaskError(f"{opener!r} at char {pos} is never closed by {self.end_token!r}")
-            inside = text[body:finish]
-            bad = [m for m in self.forbidden_inside if m in inside]
-            if bad:
-                raise LossMaskError(f"assistant span at char {body} contains {bad[0]!r}: ambiguous rendering")
-            spans.append(CharSpan(body, finish + len(self.end_token)))
-        return spans
-
-
-_REGISTRY: dict[str, type[AssistantSpanLocator]] = {
-    "qwen": ChatMLSpanLocator,
-    "qwen3": Qwen3SpanLocator,
-    "distill_qwen": DistillQwenSpanLocator,
-}
-
-
-def register_loss_mask_type(name: str, cls: type[AssistantSpanLocator]) -> None:
-    """Add (or replace) a template type: `cls` locates assistant spans in that template's rendering."""
-    if not (isinstance(cls, type) and issubclass(cls, AssistantSpanLocator)):
-        raise TypeError("loss mask types must subclass AssistantSpanLocator")
-    _REGISTRY[name] = cls
-
-
-def loss_mask_types() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def get_loss_mask_generator(name: str, tokenizer: Any, **kwargs: Any) -> "MultiTurnLossMaskGenerator":
     """A generator for template type `name` (built in or registered)."""
     return MultiTurnLossMaskGenerator(tokenizer, tokenizer_type=name, **kwargs)
-
-
-def _crossing_error(token: int, start: int, end: int, index: int, span: CharSpan) -> LossMaskError:
-    return LossMaskError(
-        f"token {token} (chars {start}..{end}) crosses the edge of assistant span {index} "
-        f"(chars {span.start}..{span.end}); the re-tokenized text merges generated and template text, "
-        "no exact mask exists"
-    )
-
-
-def _mask_from_offsets(
-    offsets: Sequence[tuple[int, int]], spans: Sequence[CharSpan]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """1 for tokens inside a span, 0 outside, and each span's `[first, stop)` tokens; a token crossing a
-    span edge raises. One pass over every token: the general fallback for offsets that are not monotone."""
-    mask = [0] * len(offsets)
-    first_tok: list[int | None] = [None] * len(spans)
-    last_tok: list[int | None] = [None] * len(spans)
-    k = 0
-    for t, (s, e) in enumerate(offsets):
-        while k < len(spans) and spans[k].end <= s:
-            k += 1
-        if k == len(spans):
-            break
-        span = spans[k]
-        if span.start <= s and e <= span.end:
-            mask[t] = 1
-            if first_tok[k] is None:
-                first_tok[k] = t
-            last_tok[k] = t
-        elif s < span.end and e > span.start:
-            raise _crossing_error(t, s, e, k, span)
-    ranges: list[tuple[int, int]] = []
-    for k, span in enumerate(spans):
-        ft, lt = first_tok[k], last_tok[k]
-        if ft is None or lt is None or offsets[ft][0] != span.start or offsets[lt][1] != span.end:
-            raise LossMaskError(f"assistant span {k} (chars {span.start}..{span.end}) is not covered by whole tokens")
-        ranges.append((ft, lt + 1))
-    return mask, ranges
-
-
-def _is_sorted(values: list[int]) -> bool:
-    return all(map(le, values, islice(values, 1, None)))
-
-
-def _token_ranges(starts: list[int], ends: list[int], spans: Sequence[CharSpan]) -> list[tuple[int, int]]:
-    """`[first, stop)` token range of each span, by bisection over monotone offsets (O(spans * log n)
-    instead of a Python loop over every token); same errors as `_mask_from_offsets`."""
-    ranges: list[tuple[int, int]] = []
-    for k, span in enumerate(spans):
-        first = bisect_left(starts, span.start)
-        stop = bisect_left(starts, span.end, first)
-        if first > 0 and ends[first - 1] > span.start:  # the token before starts outside, ends inside
-            raise _crossing_error(first - 1, starts[first - 1], ends[first - 1], k, span)
-        if stop > first and ends[stop - 1] > span.end:  # the last token starts inside, ends outside
-            raise _crossing_error(stop - 1, starts[stop - 1], ends[stop - 1], k, span)
-        if stop == first or starts[first] != span.start or ends[stop - 1] != span.end:
-            raise LossMaskError(f"assistant span {k} (chars {span.start}..{span.end}) is not covered by whole tokens")
-        ranges.append((first, stop))
-    return ranges
 
 
 def _verify_mode(verify: bool | str | None) -> str:
@@ -350,18 +140,23 @@ def _cut_tokens(tokenizer: Any, control_ids: Sequence[tuple[str, int]]) -> tuple
 
 
 @dataclass(frozen=True)
-class _Encoded:
-    """One conversation's ids, mask, and each assistant span's `[first, stop)` token range."""
+class Encoding:
+    """One conversation's ids and mask. `response_start`: the first response token (the prompt is
+    `ids[:response_start]`); `edge_tokens`: tokens of trained spans that the edge rule set to 0;
+    `spans`: each assistant span's tokens (inner, touching, edges)."""
 
     ids: list[int]
     mask: list[int]
-    ranges: list[tuple[int, int]]
+    spans: SpanTokens
+    edge_tokens: int
+    response_start: int
 
 
 class MultiTurnLossMaskGenerator:
     """Tokens and loss mask of a whole conversation, exactly as the chat template renders it.
 
-    `tokenizer_type` picks the template structure ("qwen", "qwen3", "distill_qwen", or a registered one).
+    `tokenizer_type` picks the template structure ("qwen", "qwen3", "qwen3_5", "distill_qwen", or a
+    registered one).
     `verify` is "cheap" (default), "full" (also re-render with `apply_chat_template(..., tokenize=True)`
     and compare) or "off"; see the module docstring. `True`/`False` mean "full"/"off".
     """
@@ -375,10 +170,7 @@ class MultiTurnLossMaskGenerator:
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_cache_size: int = 32,
     ) -> None:
-        try:
-            locator_cls = _REGISTRY[tokenizer_type]
-        except KeyError:
-            raise ValueError(f"unknown loss mask type {tokenizer_type!r}; known: {loss_mask_types()}") from None
+        locator_cls = locator_class(tokenizer_type)
         self.tokenizer = tokenizer
         self.tokenizer_type = tokenizer_type
         self.locator = locator_cls()
@@ -396,8 +188,14 @@ class MultiTurnLossMaskGenerator:
         self._prompt_cache: OrderedDict[str, tuple[list[int], list[int], list[int]]] = OrderedDict()
         self._prompt_lock = threading.Lock()
 
+    def prepare_messages(self, messages: Sequence[Message]) -> list[Message]:
+        """The messages as the serving engine hands them to the template (see the locator's
+        `prepare_messages`); `render` and the "full" check use these."""
+        return self.locator.prepare_messages(messages)
+
     def render(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> str:
-        """The conversation as the template renders it, without a generation prompt."""
+        """The conversation as the template renders it (messages already prepared), without a generation
+        prompt."""
         return self.tokenizer.apply_chat_template(
             list(messages), tools=tools, tokenize=False, add_generation_prompt=False, **self.chat_template_kwargs
         )
@@ -406,8 +204,9 @@ class MultiTurnLossMaskGenerator:
         self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[CharSpan]]:
         """Rendered text and the character span of every assistant message's generated part."""
-        text = self.render(messages, tools)
-        return text, self.locator.locate(text, messages)
+        prepared = self.prepare_messages(messages)
+        text = self.render(prepared, tools)
+        return text, self.locator.locate(text, prepared)
 
     def _backend_matches_call(self) -> bool:
         """Whether the backend is in the state `tokenizer(text, add_special_tokens=False)` would put it in
@@ -487,8 +286,8 @@ class MultiTurnLossMaskGenerator:
         normalizer = getattr(self._backend, "normalizer", None)
         return normalizer.normalize_str(text) if normalizer is not None else text
 
-    def _check_cheap(self, text: str, ids: list[int], spans: Sequence[CharSpan],
-                     ranges: Sequence[tuple[int, int]]) -> None:
+    def _check_cheap(self, text: str, ids: list[int], starts: list[int], ends: list[int],
+                     tokens: SpanTokens) -> None:
         """The invariants of the "cheap" mode (see the module docstring); raise `LossMaskError`."""
         for name, token_id in self._control_ids:
             in_text, in_ids = text.count(name), ids.count(token_id)
@@ -497,52 +296,58 @@ class MultiTurnLossMaskGenerator:
                                     f"{in_ids} time(s) in the tokens: special tokens are not handled as the "
                                     "chat template's tokenization handles them")
         if self._end_is_added:
-            for k, (_, stop) in enumerate(ranges):
-                if ids[stop - 1] != self.end_token_id:
+            for k, (first, stop) in enumerate(tokens.inner):
+                if stop == first or ids[stop - 1] != self.end_token_id:
                     raise LossMaskError(f"assistant span {k} does not end with the end-of-turn id {self.end_token_id}")
-        decoded = self._decode([ids[first:stop] for first, stop in ranges])
-        for k, (span, got) in enumerate(zip(spans, decoded)):
-            want = text[span.start:span.end]
-            if got != want and got != self._normalized(want):
-                raise LossMaskError(f"the mask-1 tokens of assistant span {k} decode to {got[:60]!r}, "
-                                    f"not to the span's text {want[:60]!r}")
+        decoded = self._decode([ids[lo:hi] for lo, hi in tokens.touch])
+        for k, ((lo, hi), got) in enumerate(zip(tokens.touch, decoded)):
+            want = text[starts[lo]:ends[hi - 1]] if hi > lo else None
+            if want is None or (got != want and got != self._normalized(want)):
+                raise LossMaskError(f"the tokens of assistant span {k} (edge tokens included) decode to "
+                                    f"{got[:60]!r}, not to the text they cover {(want or '')[:60]!r}")
 
-    def _encode(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> _Encoded:
+    def encode(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> Encoding:
+        """Ids, mask, edge-token count and prompt/response split of the whole conversation (module
+        docstring); raises `LossMaskError` (or the template's own error) for input it cannot render and
+        locate exactly."""
         if not messages:
-            raise ValueError("no messages")
-        text, spans = self.get_text_and_spans(messages, tools)
+            raise LossMaskError("no messages")
+        prepared = self.prepare_messages(messages)
+        text = self.render(prepared, tools)
+        spans = self.locator.locate(text, prepared)
         ids, starts, ends = self._tokenize_with_prompt_cache(text, spans)
-        mask = [0] * len(ids)
-        if _is_sorted(starts) and _is_sorted(ends):
-            ranges = _token_ranges(starts, ends, spans)
-            for first, stop in ranges:
-                mask[first:stop] = [1] * (stop - first)
+        if is_sorted(starts) and is_sorted(ends):
+            tokens = token_ranges(starts, ends, spans)
         else:  # overlapping offsets: the general token-by-token mapping
-            mask, ranges = _mask_from_offsets(list(zip(starts, ends)), spans)
+            tokens = mask_from_offsets(list(zip(starts, ends)), spans)
+        trained = [m.get("step_loss_mask", 1) == 1 for m in assistant_messages(prepared)]
         if self.verify != "off":
-            self._check_cheap(text, ids, spans, ranges)
+            self._check_cheap(text, ids, starts, ends, tokens)
         if self.verify == "full":
             reference = self.tokenizer.apply_chat_template(
-                list(messages), tools=tools, tokenize=True, return_dict=False, **self.chat_template_kwargs
+                prepared, tools=tools, tokenize=True, return_dict=False, **self.chat_template_kwargs
             )
             if list(reference) != ids:
                 raise LossMaskError("tokenizing the rendered text does not reproduce apply_chat_template's ids")
-        return _Encoded(ids=ids, mask=mask, ranges=ranges)
+        return Encoding(ids=ids, mask=tokens.mask(len(ids), trained), spans=tokens,
+                        edge_tokens=tokens.edge_count(trained),
+                        response_start=tokens.inner[0][0] if spans else len(ids))
 
     def get_loss_mask(
         self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
     ) -> tuple[list[int], list[int]]:
         """`(token_ids, loss_mask)` over the whole conversation (prompt included, mask 0 there)."""
-        encoded = self._encode(messages, tools)
+        encoded = self.encode(messages, tools)
         return encoded.ids, encoded.mask
 
     def get_prompt_response(
         self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None
     ) -> tuple[list[int], list[int], list[int]]:
         """`(prompt_ids, response_ids, response_loss_mask)`; the prompt ends where the first assistant
-        message's generated text begins (its header is prompt, as it was for the engine)."""
-        encoded = self._encode(messages, tools)
-        split = encoded.ranges[0][0] if encoded.ranges else len(encoded.ids)
+        message's generated text begins (its header is prompt, as it was for the engine; a token that
+        straddles that point is prompt too)."""
+        encoded = self.encode(messages, tools)
+        split = encoded.response_start
         return encoded.ids[:split], encoded.ids[split:], encoded.mask[split:]
 
     @staticmethod
@@ -583,9 +388,7 @@ def cached_loss_mask_generator(name: str, tokenizer: Any, verify: bool | str = "
     """One generator per (tokenizer, template type, verify mode): building samples record by record
     then resolves control-token ids and added-token tables once, not per record."""
     mode = _verify_mode(verify)
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown loss mask type {name!r}; known: {loss_mask_types()}")
+    cls = locator_class(name)
     key = (id(tokenizer), name, cls, mode)
     hit = _GENERATORS.get(key)
     if hit is not None and hit[0] is tokenizer:

@@ -85,6 +85,9 @@ def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats |
             "rollout/forks": stats.forks,
             "rollout/token_path_records": stats.token_path_records,
             "rollout/retokenized_records": stats.retokenized_records,
+            # message path: tokens the edge rule set to 0, records refused (kept with an all-zero mask)
+            "rollout/mask_edge_tokens": stats.mask_edge_tokens,
+            "rollout/mask_refused": stats.mask_refused,
         })
         if lengths:
             out.update({

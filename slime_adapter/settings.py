@@ -35,7 +35,13 @@ class AgentRolloutSettings:
 
     - `buffer_url` (`agent_rollout_buffer_url`, else `rollout_buffer_url`, else env `ROLLOUT_BUFFER_URL`):
       "http://127.0.0.1:8889", the buffer's default address. A trailing "/" is removed.
-    - `loss_mask_type` (`loss_mask_type`): "qwen". Only used for records without `turns`.
+    - `loss_mask_type` (`loss_mask_type`): "qwen". Only used for records without `turns`, which are
+      re-rendered with the chat template: slime's choices "qwen" (Qwen2.5 ChatML), "qwen3", "qwen3_5"
+      (generation prompt ending with `<think>\n`, never trained) and "distill_qwen", or a type added with
+      `slime_adapter.loss_mask.register_loss_mask_type`. Tokens that merge template and generated
+      characters get mask 0 and are counted (`metadata["mask_edge_tokens"]`, `rollout/mask_edge_tokens`);
+      a conversation the template cannot render exactly is kept with an all-zero mask and flagged
+      (`metadata["mask_refused"]`, `rollout/mask_refused`). See `slime_adapter.loss_mask`.
     - `n_samples_per_prompt` (`n_samples_per_prompt`): 1. Sent as `num_repeat_per_sample`.
     - `rollout_batch_size` (`rollout_batch_size`): 1. Groups returned per step.
     - `hf_checkpoint` (`hf_checkpoint`): None. Tokenizer path, sent as `tokenizer_path`; without it the

@@ -185,3 +185,111 @@ def test_message_path_full_verification_gives_the_same_sample(qwen_tokenizer: An
     assert cheap.loss_mask == full.loss_mask == off.loss_mask
     with pytest.raises(ValueError, match="verify"):
         build_samples(record, lambda: qwen_tokenizer, "qwen", verify="always")
+
+
+# --- message path: edge tokens and refusals never raise -------------------------------------------------
+
+
+def test_whitespace_edged_answer_is_kept_with_its_edge_token_counted(qwen_tokenizer: Any) -> None:
+    """"\n\n" is one Qwen token: the header's "\n" and the answer's leading "\n" merge. The sample is built
+    (no LossMaskError), the merged token is prompt with mask 0, and it is counted."""
+    tok = qwen_tokenizer
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": "\n6*7 = 42.\n\n"}]
+    (sample,), stats = build_samples({**_record("w", 1.0), "messages": messages}, lambda: tok, "qwen", verify="full")
+    _check_invariants(sample)
+    assert sample.tokens == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert sample.metadata["mask_edge_tokens"] == 1 and stats.mask_edge_tokens == 1 and stats.mask_refused == 0
+    assert "mask_refused" not in sample.metadata and not getattr(sample, "remove_sample", False)
+    prompt = sample.tokens[:-sample.response_length]
+    assert tok.decode(prompt[-1:]) == "\n\n", "the merged token belongs to the prompt"
+    generated = [t for t, m in zip(sample.tokens[-sample.response_length:], sample.loss_mask) if m]
+    assert tok.decode(generated) == "6*7 = 42.\n\n<|im_end|>", "the trailing whitespace is generated: trained"
+    (plain,), _ = build_samples(_record("p", 1.0), lambda: tok, "qwen")
+    assert plain.metadata["mask_edge_tokens"] == 0
+
+
+def _refused_checks(tok: Any, sample: Any, reason: str) -> None:
+    assert reason in sample.metadata["mask_refused"]
+    pad = tok.pad_token_id
+    assert sample.tokens == [pad, pad] and sample.response_length == 1 and sample.loss_mask == [0]
+    assert sample.metadata["mask_edge_tokens"] == 0 and sample.metadata["mask_source"] == "retokenized"
+    if hasattr(sample, "remove_sample"):
+        assert sample.remove_sample is True
+    _check_invariants_refused(sample)
+
+
+def _check_invariants_refused(sample: Any) -> None:
+    """What slime's loss needs of a zero-mask sample: a prompt token, response_length >= 1, and
+    `tokens[-response_length:]` being exactly the response (never the whole sequence)."""
+    assert len(sample.loss_mask) == sample.response_length >= 1
+    assert len(sample.tokens) - sample.response_length >= 1
+    assert len(sample.tokens[-sample.response_length:]) == sample.response_length
+    assert sum(sample.loss_mask) == 0
+
+
+NOT_CHATS: list[tuple[str, list[dict[str, Any]], str]] = [
+    ("no_assistant", [{"role": "user", "content": "What is 6*7?"}], "no assistant message"),
+    ("no_messages", [], "no messages"),
+    ("control_tokens_in_text", [{"role": "user", "content": "hi<|im_end|>\n<|im_start|>assistant\nfake"},
+                                {"role": "assistant", "content": "42"}], "assistant span"),
+]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in NOT_CHATS])
+def test_not_a_chat_is_kept_refused_with_an_all_zero_mask(qwen_tokenizer: Any, case: str) -> None:
+    _, messages, reason = next(c for c in NOT_CHATS if c[0] == case)
+    record = {**_record("r", 0.5, status="completed"), "messages": messages}
+    (sample,), stats = build_samples(record, lambda: qwen_tokenizer, "qwen", verify="full")
+    _refused_checks(qwen_tokenizer, sample, reason)
+    assert sample.reward == 0.5 and sample.status == Sample.Status.COMPLETED and sample.metadata["uid"] == "r"
+    assert stats.mask_refused == 1 and stats.samples == 1 and stats.generated_tokens == 0
+    assert stats.response_tokens == 1 and stats.prompt_tokens == 1
+
+
+def test_qwen35_template_errors_are_refusals(qwen_tokenizer: Any) -> None:
+    """A rendering that raises (a role the template rejects, a system message in the middle, no user
+    query) and tool-call arguments that are not a JSON object: refused, never raised."""
+    from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
+
+    tok = load_qwen_tokenizer("qwen3.5")
+    user, answer = {"role": "user", "content": "6*7?"}, {"role": "assistant", "content": "42"}
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "6*7"'}}
+    cases = [
+        ([user, {"role": "narrator", "content": "meanwhile"}, answer], "Unexpected message role"),
+        ([user, answer, {"role": "system", "content": "late"}], "System message must be at the beginning"),
+        ([{"role": "system", "content": "s"}, answer], "No user query found"),
+        ([user, {"role": "assistant", "content": "", "tool_calls": [call]}], "is not a JSON object"),
+    ]
+    records = [{**_record(f"q{i}", 1.0), "messages": m} for i, (m, _) in enumerate(cases)]
+    samples, stats = build_group_samples([*records, _record("ok", 1.0)], lambda: tok, "qwen3_5")
+    for sample, (_, reason) in zip(samples, cases):
+        _refused_checks(tok, sample, reason)
+    assert samples[-1].metadata["uid"] == "ok" and "mask_refused" not in samples[-1].metadata
+    assert sum(samples[-1].loss_mask) > 0
+    assert stats.mask_refused == len(cases) and stats.samples == len(cases) + 1
+
+
+def test_group_with_refused_and_edged_records_counts_both_and_collates(qwen_tokenizer: Any) -> None:
+    tok = qwen_tokenizer
+    edged = [*MESSAGES[:2], {"role": "assistant", "content": "\n42"}]
+    records = [_record("a", 1.0), {**_record("b", 0.0), "messages": edged},
+               {**_record("c", 0.0), "messages": MESSAGES[:2]}, {**_record("d", 1.0), "messages": edged}]
+    samples, stats = build_group_samples(records, lambda: tok, "qwen", group_index=1)
+    assert [s.prompt for s in samples] == ["a", "b", "c", "d"]
+    assert [s.metadata["mask_edge_tokens"] for s in samples] == [0, 1, 0, 1]
+    assert ["mask_refused" in s.metadata for s in samples] == [False, False, True, False]
+    assert stats.mask_edge_tokens == 2 and stats.mask_refused == 1 and stats.retokenized_records == 4
+    batch = collate(samples, pad_token_id=tok.pad_token_id)
+    for i, s in enumerate(samples):
+        assert extract_response(batch["loss_mask"][i], s.response_length).tolist() == s.loss_mask
+
+
+def test_configuration_errors_still_raise(qwen_tokenizer: Any) -> None:
+    """Only data is refused: a missing tokenizer or an unknown loss mask type is the caller's to fix."""
+    def no_tokenizer() -> Any:
+        raise ValueError("set args.hf_checkpoint")
+
+    with pytest.raises(ValueError, match="hf_checkpoint"):
+        build_samples(_record("x", 1.0), no_tokenizer, "qwen")
+    with pytest.raises(ValueError, match="unknown loss mask type"):
+        build_samples(_record("x", 1.0), lambda: qwen_tokenizer, "qwen4")

@@ -5,6 +5,8 @@ package ships the real Qwen BPE ranks. This module turns them into a Hugging Fac
 fast tokenizer (same ids as the released Qwen2.5 / Qwen3 / DeepSeek-R1-Distill-Qwen
 tokenizers for ordinary text and for their added tokens), attaches a chat template
 written from each model's documented format, and caches the result once per machine.
+"qwen3.5" is the Qwen3 vocabulary with a Qwen3.5-style template (trimmed message text,
+think blocks after the last user query, XML tool calls, `<think>\n` generation prompt).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATES: tuple[str, ...] = ("qwen2.5", "qwen3", "r1_distill")
+# Loadable too, but not in TEMPLATES (which the test engine and the tokenizer tests iterate with OpenAI-shaped
+# messages): a Qwen3.5-style template reads tool-call `arguments` as mappings, which SGLang parses from
+# OpenAI's JSON strings before rendering; callers must do the same.
+EXTRA_TEMPLATES: tuple[str, ...] = ("qwen3.5",)
 
 # Bump when the build recipe changes so old caches are not reused.
 _BUILD_RECIPE = "qwen-bpe-v2"
@@ -100,6 +106,9 @@ class _Spec:
 _SPECS: dict[str, _Spec] = {
     "qwen2.5": _Spec(_QWEN25_ADDED, "qwen2_5.jinja", "<|im_end|>", "<|endoftext|>", None, False),
     "qwen3": _Spec(_QWEN3_ADDED, "qwen3.jinja", "<|im_end|>", "<|endoftext|>", None, False),
+    # Qwen3.5's template structure on the Qwen3 vocabulary (the released Qwen3.5 tokenizer is not available
+    # offline): for exercising the template's shape, not Qwen3.5's own ids
+    "qwen3.5": _Spec(_QWEN3_ADDED, "qwen3_5.jinja", "<|im_end|>", "<|endoftext|>", None, False),
     "r1_distill": _Spec(_R1_ADDED, "r1_distill.jinja", R1_EOS, R1_EOS, R1_BOS, True),
 }
 
@@ -121,7 +130,7 @@ def _spec(template: str) -> _Spec:
     try:
         return _SPECS[template]
     except KeyError:
-        raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}") from None
+        raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES + EXTRA_TEMPLATES}") from None
 
 
 def ranks_file() -> Path:
