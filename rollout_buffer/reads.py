@@ -24,12 +24,15 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
     finished: list[str] = []
     filtered: list[str] = []
     hook_errors: list[str] = []
+    failed: list[str] = []  # groups whose members all failed: the trainer side stops on a run of them
     temp_data: dict[str, list[dict[str, Any]]] = {}
     for group in batch.groups:
         items = group.records
         for item in items:
             item["epoch"] = group.epoch
         finished.append(group.instance_id)
+        if items and all(item.get("status") == "failed" for item in items):
+            failed.append(group.instance_id)
         temp_data.setdefault(group.instance_id, []).extend(items)
         if task is None:
             records.extend(items)
@@ -46,7 +49,8 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
             records.extend(items)
         else:
             filtered.append(group.instance_id)
-    info = {"finished_groups": finished, "filtered_groups": filtered, "hook_error_groups": hook_errors}
+    info = {"finished_groups": finished, "filtered_groups": filtered, "hook_error_groups": hook_errors,
+            "failed_groups": failed}
     return records, info, temp_data
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rollout_buffer.app_state import state_of
+from rollout_buffer.failures import failure_summary
 from rollout_buffer.http_errors import error_response
 from rollout_buffer.runs import StartRolloutError, start_run
 from rollout_buffer.schema import StartRolloutRequest
@@ -38,7 +39,7 @@ async def runs(request: Request) -> Any:
 
 @router.get("/runs/{run_id}")
 async def run_detail(run_id: str, request: Request) -> Any:
-    """Tasks, groups and drops of one run."""
+    """Tasks, groups, drops and failures (by error type, with the first example of each) of one run."""
     state = state_of(request)
     meta = await state.store.run_meta(run_id)
     if not meta:
@@ -62,5 +63,6 @@ async def run_detail(run_id: str, request: Request) -> Any:
                     "duplicates": int(stats.get("duplicate_writes", 0)),
                     "by_status": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("status:")}},
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
+        "failures": await failure_summary(state.store.redis, run_id, stats),
         "stats": stats,
     }
