@@ -11,6 +11,12 @@ what was trained.
 slime's data buffer asserts groups of exactly `n_samples_per_prompt` samples: a forked token-path record
 keeps only its last piece by default (`agent_fork_policy`, see `AgentRolloutSettings`), and a buffer whose
 groups are larger than the trainer asks for raises `GroupSizeMismatchError` at once instead of polling.
+
+A step never waits forever on a run that cannot deliver: `RunFailedError` (`slime_adapter.run_health`)
+when too many groups in a row failed entirely or the run has ended with nothing left. With
+`min_batch_collection_ratio` below 1 a step may return early (see `AgentRolloutSettings`). With
+`evaluation=True` it evaluates instead (`slime_adapter.evaluation`). When slime has its output classes
+the result is a `RolloutFnTrainOutput(samples, metrics)` (`slime_adapter.outputs`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ from slime_adapter.buffer_client import (
     start_rollout,
 )
 from slime_adapter.build import BuildStats, build_group_samples
+from slime_adapter.evaluation import evaluate
 from slime_adapter.metrics import log_raw_info
+from slime_adapter.outputs import slime_outputs_available, train_output
+from slime_adapter.run_health import RunFailedError, RunHealth, raise_if_exhausted
 from slime_adapter.settings import AgentRolloutSettings
 from slime_adapter.tokenizers import get_tokenizer
 
@@ -45,6 +54,7 @@ __all__ = [
     "BufferUnavailableError",
     "GroupSizeMismatchError",
     "RolloutDataUnavailable",
+    "RunFailedError",
     "SampleBuildError",
     "StartRolloutRejected",
     "build_start_payload",
@@ -93,6 +103,7 @@ class AgentRolloutState:
     run_id: str | None = None
     start_answer: dict[str, Any] | None = None
     next_group_index: int = 0
+    health: RunHealth = field(default_factory=RunHealth)
 
 
 _STATE = AgentRolloutState()
@@ -255,27 +266,42 @@ async def _ensure_started(settings: AgentRolloutSettings, state: AgentRolloutSta
     state.started, state.run_id, state.start_answer = True, answer.get("run_id"), answer
 
 
-async def _collect(step: _Step, need_groups: int) -> None:
+async def _collect(step: _Step, need_groups: int, min_groups: int | None = None) -> None:
     """Fetch until `need_groups` groups were added; empty answers and network errors back off and count
     towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count). A buffer whose
-    next group is larger than `num` raises `GroupSizeMismatchError` at once: waiting cannot fix it."""
+    next group is larger than `num` raises `GroupSizeMismatchError` at once: waiting cannot fix it.
+    Once `min_groups` are in hand, reads stop waiting, and the first one that finds nothing ends the step.
+    A run that cannot deliver raises `RunFailedError` (see `slime_adapter.run_health`)."""
     settings, failures = step.settings, 0
+    min_groups = need_groups if min_groups is None else min_groups
+    where = f"rollout {step.rollout_id}"
     while step.groups_added < need_groups:
         remaining = need_groups - step.groups_added
         num = remaining * settings.n_samples_per_prompt
+        enough = step.groups_added >= min_groups
         began = time.monotonic()
         error: BaseException | None = None
         message = ""
         try:
             records, meta, message = await fetch_rollout_data(settings.buffer_url, num, settings.fetch_timeout_s,
-                                                              run_id=step.state.run_id)
+                                                              run_id=step.state.run_id,
+                                                              wait_s=0.0 if enough else None)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             error, records, meta = exc, [], {}
         if records or meta.get("finished_groups"):
             failures = 0
             step.accept(records, meta)
+            step.state.health.observe(meta)
+            await step.state.health.check(settings.buffer_url, step.state.run_id, settings.max_failed_groups, where)
             continue
         _check_group_fits(step, num, message)
+        if enough and error is None:
+            log.info("%s: %d group(s) in hand (min_batch_collection_ratio %g) and none ready; returning early",
+                     where, step.groups_added, settings.min_batch_collection_ratio)
+            return
+        if error is None:
+            await raise_if_exhausted(settings.buffer_url, step.state.run_id,
+                                     f"{where} ({step.groups_added}/{need_groups} group(s) in hand)")
         failures += 1
         reason = f"{type(error).__name__}: {error}" if error else "no group ready" + (
             f" (buffer: {message})" if message else "")
@@ -292,28 +318,31 @@ async def _collect(step: _Step, need_groups: int) -> None:
 
 
 async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False) -> Any:
-    """One trainer step (see the module docstring); returns `data_buffer.get_samples(rollout_batch_size)`.
+    """One trainer step (see the module docstring); returns `data_buffer.get_samples(rollout_batch_size)`,
+    as `RolloutFnTrainOutput(samples, metrics)` when slime has that class. `evaluation=True` evaluates
+    (`slime_adapter.evaluation.evaluate`) and returns slime's eval output instead.
 
     Groups beyond what the step needs stay in `data_buffer` for the next step. Filtered groups (in
     `meta_info.finished_groups` but not in the data) are still recorded as finished for resume.
     """
     if evaluation:
-        raise NotImplementedError("the agent rollout buffer serves training rollouts only; evaluate "
-                                  "checkpoints with slime's --eval-function-path instead")
+        return await evaluate(args, rollout_id)
     settings = AgentRolloutSettings.from_args(args)
     state = _STATE
     await _ensure_started(settings, state, args, data_buffer)
-    need = settings.rollout_batch_size - _buffered_groups(data_buffer)
+    buffered = _buffered_groups(data_buffer)
+    need = settings.rollout_batch_size - buffered
+    metrics: dict[str, Any] | None = None
     if need > 0:
         step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id)
-        await _collect(step, need)
-        log_raw_info(args, step.metas, rollout_id, step.stats, extra={
+        await _collect(step, need, max(0, settings.min_groups_per_step - buffered))
+        metrics = log_raw_info(args, step.metas, rollout_id, step.stats, extra={
             "rollout/group_size_mismatch": step.size_mismatches,
             "rollout/fork_dropped_pieces": step.stats.fork_dropped_pieces,
             "rollout/fork_dropped_tokens": step.stats.fork_dropped_tokens,
             "rollout/fork_dropped_generated_tokens": step.stats.fork_dropped_generated_tokens,
-        })
-    return data_buffer.get_samples(settings.rollout_batch_size)
+        }, to_wandb=not slime_outputs_available())
+    return train_output(data_buffer.get_samples(settings.rollout_batch_size), metrics)
 
 
 def generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False) -> Any:

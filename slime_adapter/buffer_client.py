@@ -27,6 +27,7 @@ __all__ = [
     "build_start_payload",
     "get_rollout_data",
     "long_poll_wait_s",
+    "post_start_rollout",
     "skip_ids_from_metadata",
     "start_rollout",
 ]
@@ -71,7 +72,8 @@ def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, A
     """slime's `/start_rollout` body. Numbers go as text, as slime sends them; the buffer coerces."""
     if not settings.prompt_data:
         raise ValueError("args.prompt_data (the run's input_file) is required to start a rollout run")
-    sampling: dict[str, Any] = {"temperature": settings.temperature, "top_p": settings.top_p}
+    sampling: dict[str, Any] = {"temperature": settings.temperature, "top_p": settings.top_p,
+                                **settings.sampling_extras()}
     payload: dict[str, Any] = {
         "num_process": str(settings.num_process),
         "num_epoch": str(settings.num_epoch),
@@ -83,6 +85,7 @@ def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, A
         "sampling_params": sampling,
         "tokenizer_path": settings.hf_checkpoint,
         "skip_instance_ids": skip_ids_from_metadata(metadata),
+        **settings.input_keys,  # slime's input_key/label_key/metadata_key/tool_key: how the buffer reads a line
     }
     if settings.max_response_len is not None:
         payload["max_tokens"] = str(settings.max_response_len)
@@ -130,9 +133,14 @@ def start_rollout(api_base_url: str, args: Any, metadata: Mapping[str, Any] | No
     """
     settings = AgentRolloutSettings.from_args(args)
     payload = build_start_payload(settings, metadata)
-    url = f"{api_base_url.rstrip('/')}/start_rollout"
-    log.info("starting rollout run at %s: task %s, %d skip id(s)", url, settings.task_type,
+    log.info("starting rollout run at %s: task %s, %d skip id(s)", api_base_url, settings.task_type,
              len(payload["skip_instance_ids"]))
+    return post_start_rollout(api_base_url, payload, settings)
+
+
+def post_start_rollout(api_base_url: str, payload: dict[str, Any], settings: AgentRolloutSettings) -> dict[str, Any]:
+    """POST one `/start_rollout` body with `start_rollout`'s retry rules; returns the buffer's answer."""
+    url = f"{api_base_url.rstrip('/')}/start_rollout"
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_attempt(settings.start_attempts),
         wait=tenacity.wait_exponential(multiplier=settings.start_backoff_s, max=30.0),
@@ -205,11 +213,13 @@ async def get_rollout_data(api_base_url: str, num: int | None = None, timeout: f
 
 
 async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
-                             run_id: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+                             run_id: str | None = None, wait_s: float | None = None,
+                             ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """`get_rollout_data` plus the buffer's `message`: when nothing is handed over, the message is the
-    only place the buffer says why (nothing ready yet, or `num` smaller than the next group)."""
+    only place the buffer says why (nothing ready yet, or `num` smaller than the next group). `wait_s`
+    (default: a long poll that fits in `timeout`) is how long the buffer may wait for a group."""
     url = f"{api_base_url.rstrip('/')}/get_rollout_data"
-    payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout)}
+    payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout) if wait_s is None else wait_s}
     if num is not None:
         payload["num"] = int(num)
     if run_id is not None:

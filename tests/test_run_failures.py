@@ -48,6 +48,7 @@ async def test_each_type_is_announced_once_then_counted_per_interval(redis_store
     assert summary["by_type"]["EngineError"]["example"] == "HTTP 500 from the engine (0)", "the first one is kept"
     assert summary["first_error"]["type"] == "EngineError" and summary["first_error"]["uid"] == "run:0:0:0"
     assert (await failure_summary(redis_store.redis, "no-failures", {}))["by_type"] == {}
+    assert FailureLog("any").interval_s == 30.0, "the README's periodic count"
 
 
 @pytest.fixture()
@@ -70,6 +71,9 @@ def test_a_run_of_failing_rollouts_shows_why(runtime_server: ServerProcess, fail
     engine_errors = failures["by_type"]["EngineError"]
     assert engine_errors["count"] == 32 and "500" in engine_errors["example"]
     assert failures["first_error"]["uid"].startswith(f"{run_id}:")
+    with httpx.Client(base_url=runtime_server.url, timeout=30) as client:
+        meta = client.post("/get_rollout_data", json={"run_id": run_id}).json()["data"]["meta_info"]
+    assert sorted(meta["failed_groups"]) == sorted(meta["finished_groups"]) == sorted(f"q{i}" for i in range(8))
     log = [line for line in runtime_server.log_path.read_text().splitlines() if run_id in line]
     assert sum("new error type EngineError" in line for line in log) == 1, log
     assert len(log) <= 2, f"one line per new type (plus at most a periodic count), not one per rollout: {log}"

@@ -134,3 +134,33 @@ def test_a_run_started_inactive_leaves_the_active_run_alone(client: httpx.Client
     assert client.get("/runs").json()["active_run"] == active, "an inactive run is reached by its run_id only"
     assert len(drain(client, side, 2)) == 2
     assert len(drain(client, active, 2)) == 2
+
+
+def test_the_task_sees_the_mapped_sample_and_the_raw_line(client: httpx.Client, rollout_engine: Any,
+                                                          qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    line = {"instance_id": 5, "q": "What is 1 + 1?", "gold": 2, "info": {"level": 3}, "fns": [WEATHER_TOOL],
+            "prompt": "not the prompt of this run"}
+    run_id = start_native(client, write_rows(tmp_path, [line]), engine_url=rollout_engine.url,
+                          tokenizer_path=qwen_tokenizer_path, task_type="echo_line", repeats=1, input_key="q",
+                          label_key="gold", metadata_key="info", tool_key="fns")
+    (record,) = drain(client, run_id, 1)
+    info = record["extra_info"]
+    assert info["sample"] == {"instance_id": "5", "prompt": "What is 1 + 1?", "label": 2, "metadata": {"level": 3},
+                              "tools": [WEATHER_TOOL]}
+    assert info["line"] == {**line, "instance_id": "5"}, "ctx.line is the line as read (id as text)"
+    assert set(info["sample_keys"]) >= {"q", "gold", "info", "fns"}, "the raw keys stay in the sample"
+
+
+def test_a_bad_line_after_the_checked_ones_fails_its_rollouts_only(client: httpx.Client, rollout_engine: Any,
+                                                                   qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    from rollout_buffer.task_contract import VALIDATE_LINES
+
+    rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(VALIDATE_LINES)]
+    rows.append({"prompt": "What is 5 + 5?"})  # no label: past the lines checked at start
+    run_id = start_native(client, write_rows(tmp_path, rows), engine_url=rollout_engine.url,
+                          tokenizer_path=qwen_tokenizer_path, repeats=1, num_process=64)
+    records = {r["instance_id"]: r for r in drain(client, run_id, VALIDATE_LINES)}
+    assert str(VALIDATE_LINES) not in records, "its group failed entirely and was filtered"
+    detail = client.get(f"/runs/{run_id}").json()
+    assert detail["failures"]["by_type"]["InvalidSample"]["count"] == 1
+    assert "label: missing" in detail["failures"]["by_type"]["InvalidSample"]["example"]

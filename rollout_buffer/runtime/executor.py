@@ -135,6 +135,8 @@ async def _rollout(handle: RunHandle, task: Task, line: dict[str, Any], *, sessi
         try:
             async with deadline:
                 sample = normalise(line, handle.input_keys)  # `line` is a fresh copy from Redis
+                if handle.task.validate_sample is not None:  # /start_rollout checked only the first lines
+                    handle.task.validate_sample(sample)
                 result = await handle.task.module.rollout(sample, ctx)
         except TimeoutError as exc:
             if not deadline.expired():  # the task's own timeout, not ours: an ordinary failure
