@@ -23,12 +23,12 @@ the active-run pointer, remote rollouts) are only ever touched one key per comma
     rb:{R}:timed_out                list   "epoch:instance_id" of groups dropped by the group timeout
     rb:{R}:samples                  hash   instance_id -> input line (JSON), written once by the enqueuer
     rb:{R}:attempts                 hash   task id -> times a worker started it (poison-task cap)
-    rb:{R}:error_examples           hash   error type -> first failed rollout of that type (JSON: message, uid, at)
     rb:run_events                   stream run ids launched, so workers anywhere notice new runs (XREAD BLOCK)
     rb:remote:{rollout_id}          hash   state of a remote rollout started by POST /init
     rb:remote:index                 zset   remote rollout ids by start time
     rb:remote_open                  zset   remote rollout ids not yet settled (unfinished or callback undelivered)
     rb:remote_owner:{owner_id}      string liveness lease (with TTL) of the API process running remote rollouts
+    rb:{R}:error_examples           hash   error type -> first failed rollout of that type (JSON: message, uid, at)
 """
 
 from __future__ import annotations

@@ -162,9 +162,9 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     """Create (or find) the run, record skip ids, make it the active run. Launching is the caller's.
     Everything that can refuse the request runs before anything is stored."""
     task = validate_start(request, registry)
-    await asyncio.to_thread(check_input_lines, request, task)
     if runtime is not None:
         await runtime.check(request, task)
+    await asyncio.to_thread(check_input_lines, request, task)
     base_id = request.run_id or derive_run_id(request)
     run_id, generation = await _current_generation(store, base_id)
     if request.skip_instance_ids and await store.run_exists(run_id):
