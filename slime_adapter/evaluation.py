@@ -170,6 +170,9 @@ async def _collect_run(settings: AgentRolloutSettings, run_id: str) -> tuple[lis
     failures = 0
     while True:
         detail = await get_run_detail(settings.buffer_url, run_id)
+        if detail is not None and detail.get("missing"):
+            raise RunFailedError(f"evaluation run {run_id} is unknown to the buffer (deleted, or its data was lost)",
+                                 run_id, detail)
         over = detail is not None and (detail.get("meta") or {}).get("status") not in (None, "running")
         try:
             wait_s = 0.0 if over else min(POLL_WAIT_S, long_poll_wait_s(settings.fetch_timeout_s))

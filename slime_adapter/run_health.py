@@ -7,7 +7,8 @@ Two signals, both from the buffer:
   failing systematically (a dead engine, a task that cannot read the data) and waiting cannot fix it;
 * `GET /runs/{run_id}` after a read that got nothing: a native run whose tasks have all ended (status
   `finished`) or whose task module failed (status `failed`), with no group ready, has nothing left to
-  hand over. A legacy run that `finished` is not judged: its records may come from outside writers.
+  hand over; nor has a run the buffer no longer knows (404, or status `deleted`). A legacy run that
+  `finished` is not judged: its records may come from outside writers.
 
 The error carries the failure counts by type and the first error message (`GET /runs/{id}` `failures`).
 `fetch_trajectory_retry_times` keeps its own, separate meaning: consecutive fetches that got nothing.
@@ -39,11 +40,14 @@ class RunFailedError(RuntimeError):
 
 
 async def get_run_detail(buffer_url: str, run_id: str, timeout_s: float = DETAIL_TIMEOUT_S) -> dict[str, Any] | None:
-    """`GET /runs/{run_id}`, or None when the buffer cannot say (unreachable, error status, not JSON)."""
+    """`GET /runs/{run_id}`; `{"missing": True}` when the buffer does not know the run (404), None when it
+    cannot say (unreachable, another error status, not JSON)."""
     url = f"{buffer_url.rstrip('/')}/runs/{run_id}"
     try:
         async with (asyncio.timeout(timeout_s), aiohttp.ClientSession() as session,
                     session.get(url) as response):
+            if response.status == 404:
+                return {"missing": True}
             if response.status != 200:
                 return None
             body = await response.json(content_type=None)
@@ -55,6 +59,8 @@ async def get_run_detail(buffer_url: str, run_id: str, timeout_s: float = DETAIL
 
 def describe_run(detail: dict[str, Any]) -> str:
     """One sentence of a run's task counts, failures by type and first error, for error messages."""
+    if detail.get("missing"):
+        return "the buffer has no record of it"
     tasks = detail.get("tasks") or {}
     parts = [f"tasks: {tasks.get('done', 0)} done, {tasks.get('failed', 0)} failed, "
              f"{tasks.get('running', 0)} running, {tasks.get('queued', 0)} queued"]
@@ -70,11 +76,15 @@ def describe_run(detail: dict[str, Any]) -> str:
 
 def exhausted_reason(detail: dict[str, Any]) -> str | None:
     """Why the run can hand over nothing more, or None while it still may (see the module docstring)."""
+    if detail.get("missing"):
+        return "the buffer does not know the run (deleted, or its data was lost)"
     meta = detail.get("meta") or {}
     groups = detail.get("groups") or {}
     if int(groups.get("ready", 0) or 0) > 0:
         return None
     status = meta.get("status")
+    if status == "deleted":
+        return "the run was deleted"
     if status == "failed":
         return "its task module failed (run status 'failed') and no group is ready"
     if status == "finished" and meta.get("enqueue_done") == "1":

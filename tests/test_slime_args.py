@@ -85,6 +85,8 @@ def test_failed_group_streaks_and_exhausted_runs() -> None:
         "a legacy run's records may come from outside writers"
     assert exhausted_reason({"meta": {"status": "running", "enqueue_done": "1"}, "groups": {"ready": 0}}) is None
     assert "status 'failed'" in (exhausted_reason({"meta": {"status": "failed"}, "groups": {}}) or "")
+    assert "does not know the run" in (exhausted_reason({"missing": True}) or "")
+    assert "deleted" in (exhausted_reason({"meta": {"status": "deleted"}, "groups": {"ready": 0}}) or "")
     text = describe_run({"tasks": {"done": 1, "failed": 5}, "failures": {
         "by_type": {"EngineError": {"count": 5}}, "first_error": {"type": "EngineError", "uid": "r:0:a:0",
                                                                   "message": "HTTP 500"}}})
