@@ -199,27 +199,26 @@ def _natural(text: str) -> tuple[Any, ...]:
 
 
 def _eval_sample(record: dict[str, Any], settings: AgentRolloutSettings, group_index: int, name: str,
-                 ) -> tuple[Any, bool]:
-    """(sample, built): the record's sample with its raw reward; a record whose tokens cannot be rebuilt
-    still gives a sample (no tokens) so its reward counts, flagged `built=False`."""
+                 ) -> tuple[Any, str | None]:
+    """(sample, build error): the record's sample with its raw reward; a record whose tokens cannot be
+    rebuilt still gives a sample (no tokens, `metadata["build_error"]`) so its reward counts."""
     raw = record.get("raw_reward")
     reward = float(record["reward"] if raw is None else raw)
     try:
         samples, _ = build_samples(record, lambda: _tokenizer(settings), settings.loss_mask_type,
                                    group_index=group_index, fork_policy="last", verify=settings.loss_mask_verify)
-        sample, built = samples[-1], True
+        sample, error = samples[-1], None
     except Exception as exc:  # noqa: BLE001 - an eval reward must not be lost to a rendering problem
-        log.warning("eval %s: record %s kept without tokens: %s: %s", name, record.get("uid"), type(exc).__name__, exc)
+        error = f"{type(exc).__name__}: {exc}"
         sample = make_sample(group_index=group_index, index=record.get("instance_id"), prompt=record.get("uid", ""),
                              response="", response_length=0, loss_mask=[], reward=reward,
                              status=status_from_record(record.get("status") or "completed"),
                              metadata={**(record.get("extra_info") or {}), "uid": record.get("uid"),
-                                       "build_error": f"{type(exc).__name__}: {exc}"}, label=None)
-        built = False
+                                       "build_error": error}, label=None)
     sample.reward = reward
     sample.metadata["raw_reward"] = reward
     sample.metadata["eval_dataset"] = name
-    return sample, built
+    return sample, error
 
 
 def _tokenizer(settings: AgentRolloutSettings) -> Any:
@@ -238,17 +237,21 @@ def dataset_result(settings: AgentRolloutSettings, name: str, records: list[dict
     samples: list[Any] = []
     rewards: list[float] = []
     truncated: list[bool] = []
-    unbuilt = 0
+    errors: list[str] = []
     for group_index, (_, members) in enumerate(ordered):
         members.sort(key=lambda r: (r.get("repeat") if isinstance(r.get("repeat"), int) else 0, str(r.get("uid"))))
         for record in members:
-            sample, built = _eval_sample(record, settings, group_index, name)
-            unbuilt += not built
+            sample, error = _eval_sample(record, settings, group_index, name)
+            if error is not None:
+                errors.append(error)
             samples.append(sample)
             rewards.append(sample.reward)
             truncated.append(record.get("status") == "truncated")
+    if errors:  # one line per dataset, not one per record
+        log.warning("eval %s: %d record(s) kept with their reward but without tokens; first: %s", name,
+                    len(errors), errors[0])
     counts = {
-        "samples": len(samples), "groups": len(ordered), "unbuilt_samples": unbuilt,
+        "samples": len(samples), "groups": len(ordered), "unbuilt_samples": len(errors),
         "filtered_groups": sum(len(m.get("filtered_groups") or []) for m in metas),
         "failed_samples": sum(int((m.get("status_counts") or {}).get("failed", 0)) for m in metas),
     }
