@@ -108,8 +108,8 @@ class EmbeddedRedis:
                   self.process.returncode, self.data_dir)
         if self.process.stderr:
             self.process.stderr.close()
-        self._spawn()
         self.restarts += 1
+        self._spawn()
         log.warning("embedded redis-server is back (restart %d)", self.restarts)
         return True
 

@@ -35,6 +35,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:taskstate            hash   task id -> queued | running | done | failed | skipped
     rb:{R}:samples              hash   instance_id -> input line (JSON), written once by the enqueuer
     rb:{R}:attempts             hash   task id -> times a worker started it (poison-task cap)
+    rb:{R}:error_examples       hash   error type -> first failed rollout of that type (JSON: message, uid, at)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
@@ -160,7 +161,7 @@ def run_keys(run_id: str) -> list[str]:
     """Every key of one run: what `DELETE /runs/{run_id}` removes."""
     return [make(run_id) for make in (
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
-        stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts)]
+        stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples)]
 
 
 def remote(rollout_id: str) -> str:
@@ -173,3 +174,7 @@ REMOTE_OPEN = f"{PREFIX}:remote_open"
 
 def remote_owner(owner_id: str) -> str:
     return f"{PREFIX}:remote_owner:{owner_id}"
+
+
+def error_examples(run_id: str) -> str:
+    return f"{_tag(run_id)}:error_examples"

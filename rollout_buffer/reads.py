@@ -29,6 +29,7 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
     finished_keys: list[str] = []
     filtered: list[str] = []
     hook_errors: list[str] = []
+    failed: list[str] = []  # groups whose members all failed: the trainer side stops on a run of them
     temp_data: dict[str, list[dict[str, Any]]] = {}
     for group in batch.groups:
         items = group.records
@@ -36,6 +37,8 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
             item["epoch"] = group.epoch
         finished.append(group.instance_id)
         finished_keys.append(group.gid)
+        if items and all(item.get("status") == "failed" for item in items):
+            failed.append(group.instance_id)
         temp_data.setdefault(group.instance_id, []).extend(items)
         if task is None:
             records.extend(items)
@@ -53,7 +56,7 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
         else:
             filtered.append(group.instance_id)
     info = {"finished_groups": finished, "finished_group_keys": finished_keys, "filtered_groups": filtered,
-            "hook_error_groups": hook_errors}
+            "hook_error_groups": hook_errors, "failed_groups": failed}
     return records, info, temp_data
 
 

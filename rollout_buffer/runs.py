@@ -17,11 +17,14 @@ so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every 
 trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
 and batches leased to the previous trainer session are released at once (one trainer per run).
 
-Pass `run_id` explicitly to start a separate run with the same settings.
+Pass `run_id` explicitly to start a separate run with the same settings. A run started with
+`"activate": false` (the adapter's evaluation runs) does not become the active run, the one that writes
+and reads without a `run_id` go to; its data is reached by its `run_id` only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -33,15 +36,18 @@ from typing import Any, Protocol
 import orjson
 
 from rollout_buffer import handover, keys
+from rollout_buffer.input_file import InputFileError, iter_lines
+from rollout_buffer.input_keys import InputKeyError, InputKeys, normalise
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.store import Store
+from rollout_buffer.task_contract import VALIDATE_LINES, InvalidSample
 from rollout_buffer.tasks import TaskModule, TaskRegistry
 
 log = logging.getLogger(__name__)
 
 # Fields that do not change what a run produces, so they do not change its id.
 _NOT_IDENTITY = {"skip_instance_ids", "skip_groups", "remote_buffer_url", "remote_engine_url", "num_process",
-                 "run_id"}
+                 "run_id", "activate"}
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -107,6 +113,52 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry) -> Task
     return task
 
 
+def activates(request: StartRolloutRequest) -> bool:
+    """Whether the run becomes the active one: yes unless the body says `"activate": false` (or "false")."""
+    value = (request.model_extra or {}).get("activate", True)
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no")
+    return bool(value)
+
+
+def check_input_lines(request: StartRolloutRequest, task: TaskModule) -> None:
+    """Refuse an input file the task cannot read, before anything is stored: every line must parse (JSON,
+    unique ids), and the first `VALIDATE_LINES` lines, mapped with the run's slime keys
+    (`rollout_buffer.input_keys`), must pass the task's `validate_sample`. A native task's lines are always
+    mapped (bad `metadata` / `tools` shapes are refused); a legacy task's only when it defines the hook."""
+    try:
+        keys = InputKeys.from_options(request.model_extra or {})
+    except InputKeyError as exc:
+        raise StartRolloutError(exc.field, str(exc)) from exc
+    validate = task.validate_sample
+    if task.kind != "native" and validate is None:
+        return
+    head: list[tuple[int, dict[str, Any]]] = []
+    try:  # the whole file parses (JSON, ids) before any line is judged
+        for index, item in enumerate(iter_lines(request.input_file)):
+            if index < VALIDATE_LINES:
+                head.append(item)
+    except InputFileError as exc:
+        raise StartRolloutError("input_file", str(exc)) from exc
+    for number, line in head:
+        try:
+            sample = normalise(line, keys)
+            if validate is not None:
+                validate(sample)
+        except Exception as exc:  # noqa: BLE001 - a task's check may raise anything; its message is the reason
+            raise StartRolloutError("input_file", _line_refusal(request, task, keys, number, line, exc)) from exc
+
+
+def _line_refusal(request: StartRolloutRequest, task: TaskModule, keys: InputKeys, number: int,
+                  line: dict[str, Any], exc: Exception) -> str:
+    where = f"{request.input_file} line {number}"
+    if isinstance(exc, InvalidSample):
+        hint = f"; the line has keys {sorted(line)}" if exc.reason.startswith("missing") else ""
+        return (f"{where}: field {keys.source_of(exc.field, line)}: {exc.reason}{hint} "
+                f"(task {task.task_type!r} cannot use this line)")
+    return f"{where}: task {task.task_type!r} cannot use this line: {type(exc).__name__}: {exc}"
+
+
 async def _current_generation(store: Store, run_id: str) -> tuple[str, int]:
     """Follow `superseded_by` links to the run's newest generation; returns (id, generation number)."""
     generation = 0
@@ -146,6 +198,7 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     task = validate_start(request, registry)
     if runtime is not None:
         await runtime.check(request, task)
+    await asyncio.to_thread(check_input_lines, request, task)
     base_id = request.run_id or derive_run_id(request)
     run_id, generation = await _current_generation(store, base_id)
     exists = await store.run_exists(run_id)
@@ -172,6 +225,7 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
         released = await handover.expire_leases(store, run_id, release_all=True)
         if released:
             log.info("run %s: a new trainer session released %d leased batch(es)", run_id, released)
-    await store.set_active_run(run_id)
+    if activates(request):
+        await store.set_active_run(run_id)
     excluded = await store.skip_groups(run_id) | await store.handed_groups(run_id)
     return RunSpec(run_id=run_id, request=request, task=task, created=created, excluded_groups=excluded)

@@ -4,7 +4,11 @@ A task module is discovered by file name (`*_generator.py`) in `rollout_buffer/g
 `--task-dir`. It must define `TASK_TYPE: str` and one of:
 
 * **native**: `async def rollout(sample: dict, ctx: RolloutContext) -> dict`. `sample` is one JSONL line
-  of the run's `input_file` (with `instance_id`). Return at least `{"messages": [...], "reward": float}`,
+  of the run's `input_file`, normalised with slime's dataset keys (`input_key`, `label_key`,
+  `metadata_key`, `tool_key` from `/start_rollout`; see `rollout_buffer.input_keys`): a copy of the line
+  with `instance_id` (text), `prompt` (text or a list of chat messages), `label`, `metadata` (dict) and
+  `tools` (list of tool schemas or None) set, every other key of the line kept as it is. The line as read
+  is `ctx.line`. Return at least `{"messages": [...], "reward": float}`,
   optionally `status` (completed | truncated | aborted | failed) and `extra_info` (dict). Talk to the
   model only through `ctx.engine`, which records the token-exact `turns`. The runtime does the rest:
   repeats, epochs, concurrency, retries, timeouts, writing the record, failure records.
@@ -18,7 +22,15 @@ Optional group hooks, with slime's signatures (see `rollout_buffer.groups` for t
 * `get_group_data_meta_info(temp_data: dict[str, list[dict]]) -> dict`
 
 Optional: `TOOLS: list[dict]` (OpenAI tool schemas the prompt is rendered with; `ctx.engine.chat` uses
-them unless given `tools=`).
+them unless given `tools=`). Per-line tools (`sample["tools"]`) are the task's to pass: the built-in tasks
+give them to `ctx.engine.chat(..., tools=...)`.
+
+Optional: `validate_sample(sample: dict) -> None`, given the normalised sample; raise (preferably
+`InvalidSample(field, reason)`, naming the normalised field) when the task cannot use the line.
+`/start_rollout` runs it on the first `VALIDATE_LINES` (100) lines of the input file before anything is
+stored, and refuses the run with a 4xx naming the line number, the file's key and the reason. Lines after
+those are checked when their rollout runs; one that fails becomes a `failed` record with
+`error_type="InvalidSample"`.
 
 What the runtime does for a native module (`rollout_buffer.runtime`):
 
@@ -31,6 +43,8 @@ What the runtime does for a native module (`rollout_buffer.runtime`):
 * An exception, an `EngineError` (after the client's retries), a `HistoryRewriteError`, a result without
   `messages`/`reward`, or the per-rollout time limit becomes a record with `status="failed"`,
   `reward=0.0`, `extra_info={"error": ..., "error_type": ...}` and no turns, so the group still completes.
+  Failures are counted by `error_type` in `GET /runs/{run_id}` (`failures`: count and the first message of
+  each type); the worker logs one line per new error type and periodic counts, not one line per rollout.
 
 The engine client (`ctx.engine`) is chosen by the run's `engine_api` (`/start_rollout` field):
 `"generate"` (default) talks token in / token out to SGLang `/generate` and records `turns`; `"chat"` talks
@@ -76,6 +90,18 @@ class EngineClient(Protocol):
     ) -> ChatResult: ...
 
 
+VALIDATE_LINES = 100
+
+
+class InvalidSample(ValueError):
+    """A line a task cannot use; `field` is the normalised field (`prompt`, `label`, `tools`, ...)."""
+
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"{field_name}: {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
 class HistoryRewriteError(RuntimeError):
     """A task changed messages that an earlier engine call already saw; no exact mask can follow."""
 
@@ -100,3 +126,4 @@ class RolloutContext:
     repeat: int = 0
     task_type: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    line: dict[str, Any] = field(default_factory=dict)  # the input line as read, before the key mapping

@@ -21,6 +21,7 @@ from rollout_buffer import groups
 
 log = logging.getLogger(__name__)
 BUILTIN_DIR = Path(__file__).parent / "generator"
+HOOKS = ("is_valid_group", "transform_group", "get_group_data_meta_info", "validate_sample")
 
 
 class TaskRegistryError(RuntimeError):
@@ -56,6 +57,11 @@ class TaskModule:
         return self.hook("get_group_data_meta_info")
 
     @property
+    def validate_sample(self) -> Callable[[dict[str, Any]], None] | None:
+        """The module's check of one normalised input line (see `rollout_buffer.task_contract`), if any."""
+        return self.hook("validate_sample")
+
+    @property
     def tools(self) -> list[dict[str, Any]] | None:
         return getattr(self.module, "TOOLS", None)
 
@@ -72,7 +78,7 @@ class TaskRegistry:
         return {
             "tasks": {
                 name: {"path": str(task.path), "kind": task.kind,
-                       "hooks": [h for h in ("is_valid_group", "transform_group", "get_group_data_meta_info") if task.hook(h)]}
+                       "hooks": [h for h in HOOKS if task.hook(h)]}
                 for name, task in sorted(self.tasks.items())
             },
             "errors": dict(sorted(self.errors.items())),

@@ -8,7 +8,7 @@
 # ROLLOUT_BUFFER_DATA_DIR, ROLLOUT_BUFFER_TASK_DIR, PYTHON), waits for its /health, then runs the
 # training command with the flags slime needs appended (each only if the command does not give it):
 #   --rollout-function-path slime_adapter.agent_rollout.generate_rollout
-#   --agent-rollout-buffer-url $ROLLOUT_BUFFER_URL
+#   --rollout-buffer-url $ROLLOUT_BUFFER_URL   (slime's own flag; slime's parser ignores other spellings)
 #   --loss-mask-type $LOSS_MASK_TYPE
 # The buffer is stopped when training ends, fails or is interrupted; the exit status is training's
 # (130 / 143 after SIGINT / SIGTERM, 1 when the buffer does not come up).
@@ -99,7 +99,7 @@ has_flag() {
     return 1
 }
 has_flag --rollout-function-path || train+=(--rollout-function-path slime_adapter.agent_rollout.generate_rollout)
-has_flag --agent-rollout-buffer-url || train+=(--agent-rollout-buffer-url "$ROLLOUT_BUFFER_URL")
+has_flag --rollout-buffer-url || train+=(--rollout-buffer-url "$ROLLOUT_BUFFER_URL")
 has_flag --loss-mask-type || train+=(--loss-mask-type "$LOSS_MASK_TYPE")
 
 # in the background, so a TERM/INT to this script is handled at once (a foreground child defers traps)

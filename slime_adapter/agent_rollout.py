@@ -15,6 +15,12 @@ batch; a batch is acknowledged only once its samples are in the data buffer and 
 slime's data buffer asserts groups of exactly `n_samples_per_prompt` samples: a forked token-path record
 keeps only its last piece by default (`agent_fork_policy`, see `AgentRolloutSettings`), and a buffer whose
 groups are larger than the trainer asks for raises `GroupSizeMismatchError` at once instead of polling.
+
+A step never waits forever on a run that cannot deliver: `RunFailedError` (`slime_adapter.run_health`)
+when too many groups in a row failed entirely or the run has ended with nothing left. With
+`min_batch_collection_ratio` below 1 a step may return early (see `AgentRolloutSettings`). With
+`evaluation=True` it evaluates instead (`slime_adapter.evaluation`). When slime has its output classes
+the result is a `RolloutFnTrainOutput(samples, metrics)` (`slime_adapter.outputs`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ from slime_adapter.buffer_client import (
     start_rollout,
 )
 from slime_adapter.build import BuildStats, build_group_samples
+from slime_adapter.evaluation import evaluate
 from slime_adapter.metrics import log_raw_info
+from slime_adapter.outputs import slime_outputs_available, train_output
+from slime_adapter.run_health import RunFailedError, RunHealth, raise_if_exhausted
 from slime_adapter.settings import AgentRolloutSettings
 from slime_adapter.tokenizers import get_tokenizer
 
@@ -52,6 +61,7 @@ __all__ = [
     "BufferUnavailableError",
     "GroupSizeMismatchError",
     "RolloutDataUnavailable",
+    "RunFailedError",
     "RunSuperseded",
     "SampleBuildError",
     "StartRolloutRejected",
@@ -104,6 +114,7 @@ class AgentRolloutState:
     start_answer: dict[str, Any] | None = None
     next_group_index: int = 0
     pending_acks: list[str] = field(default_factory=list)
+    health: RunHealth = field(default_factory=RunHealth)
 
 
 _STATE = AgentRolloutState()
@@ -299,16 +310,21 @@ async def _flush_acks(settings: AgentRolloutSettings, state: AgentRolloutState) 
     _check_acks({"acks": [{"batch_id": b, "outcome": o} for b, o in outcomes.items()]})
 
 
-async def _collect(step: _Step, need_groups: int) -> None:
+async def _collect(step: _Step, need_groups: int, min_groups: int | None = None) -> None:
     """Fetch until `need_groups` groups were added; empty answers and network errors back off and count
     towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count). A read that got no
     answer is sent again with the same batch id, so the batch it may have leased is not lost. A buffer whose
-    next group is larger than `num` raises `GroupSizeMismatchError` at once: waiting cannot fix it."""
+    next group is larger than `num` raises `GroupSizeMismatchError` at once: waiting cannot fix it.
+    Once `min_groups` are in hand, reads stop waiting, and the first one that finds nothing ends the step.
+    A run that cannot deliver raises `RunFailedError` (see `slime_adapter.run_health`)."""
     settings, state, failures = step.settings, step.state, 0
+    min_groups = need_groups if min_groups is None else min_groups
+    where = f"rollout {step.rollout_id}"
     batch_id = _new_batch_id()
     while step.groups_added < need_groups:
         remaining = need_groups - step.groups_added
         num = remaining * settings.n_samples_per_prompt
+        enough = step.groups_added >= min_groups
         began = time.monotonic()
         error: BaseException | None = None
         message = ""
@@ -316,7 +332,7 @@ async def _collect(step: _Step, need_groups: int) -> None:
         try:
             records, meta, message = await fetch_rollout_data(
                 settings.buffer_url, num, settings.fetch_timeout_s, run_id=state.run_id, lease_s=settings.lease_s,
-                batch_id=batch_id, ack=acks)
+                batch_id=batch_id, ack=acks, wait_s=0.0 if enough else None)
         except RunSuperseded as exc:
             log.warning("rollout %d: %s; reading %s from now on", step.rollout_id, exc, exc.successor)
             state.run_id, state.pending_acks, batch_id = exc.successor, [], _new_batch_id()
@@ -334,8 +350,17 @@ async def _collect(step: _Step, need_groups: int) -> None:
                 if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
                     state.pending_acks.append(str(meta["batch_id"]))
                 batch_id = _new_batch_id()
+            state.health.observe(meta)
+            await state.health.check(settings.buffer_url, state.run_id, settings.max_failed_groups, where)
             continue
         _check_group_fits(step, num, message)
+        if enough and error is None:
+            log.info("%s: %d group(s) in hand (min_batch_collection_ratio %g) and none ready; returning early",
+                     where, step.groups_added, settings.min_batch_collection_ratio)
+            return
+        if error is None:
+            await raise_if_exhausted(settings.buffer_url, state.run_id,
+                                     f"{where} ({step.groups_added}/{need_groups} group(s) in hand)")
         failures += 1
         reason = f"{type(error).__name__}: {error}" if error else "no group ready" + (
             f" (buffer: {message})" if message else "")
@@ -352,31 +377,34 @@ async def _collect(step: _Step, need_groups: int) -> None:
 
 
 async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False) -> Any:
-    """One trainer step (see the module docstring); returns `data_buffer.get_samples(rollout_batch_size)`.
+    """One trainer step (see the module docstring); returns `data_buffer.get_samples(rollout_batch_size)`,
+    as `RolloutFnTrainOutput(samples, metrics)` when slime has that class. `evaluation=True` evaluates
+    (`slime_adapter.evaluation.evaluate`) and returns slime's eval output instead.
 
     Groups beyond what the step needs stay in `data_buffer` for the next step. Filtered groups (in
     `meta_info.finished_groups` but not in the data) are still recorded as finished for resume.
     """
     if evaluation:
-        raise NotImplementedError("the agent rollout buffer serves training rollouts only; evaluate "
-                                  "checkpoints with slime's --eval-function-path instead")
+        return await evaluate(args, rollout_id)
     settings = AgentRolloutSettings.from_args(args)
     state = _STATE
     await _ensure_started(settings, state, args, data_buffer)
-    need = settings.rollout_batch_size - _buffered_groups(data_buffer)
+    buffered = _buffered_groups(data_buffer)
+    need = settings.rollout_batch_size - buffered
+    metrics: dict[str, Any] | None = None
     if need > 0:
         step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id)
         try:
-            await _collect(step, need)
+            await _collect(step, need, max(0, settings.min_groups_per_step - buffered))
         finally:
             await _flush_acks(settings, state)
-        log_raw_info(args, step.metas, rollout_id, step.stats, extra={
+        metrics = log_raw_info(args, step.metas, rollout_id, step.stats, extra={
             "rollout/group_size_mismatch": step.size_mismatches,
             "rollout/fork_dropped_pieces": step.stats.fork_dropped_pieces,
             "rollout/fork_dropped_tokens": step.stats.fork_dropped_tokens,
             "rollout/fork_dropped_generated_tokens": step.stats.fork_dropped_generated_tokens,
-        })
-    return data_buffer.get_samples(settings.rollout_batch_size)
+        }, to_wandb=not slime_outputs_available())
+    return train_output(data_buffer.get_samples(settings.rollout_batch_size), metrics)
 
 
 def generate_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "get_rollout_data",
     "long_poll_wait_s",
     "resume_keys_from_metadata",
+    "post_start_rollout",
     "skip_ids_from_metadata",
     "start_rollout",
 ]
@@ -95,7 +96,8 @@ def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, A
     """slime's `/start_rollout` body. Numbers go as text, as slime sends them; the buffer coerces."""
     if not settings.prompt_data:
         raise ValueError("args.prompt_data (the run's input_file) is required to start a rollout run")
-    sampling: dict[str, Any] = {"temperature": settings.temperature, "top_p": settings.top_p}
+    sampling: dict[str, Any] = {"temperature": settings.temperature, "top_p": settings.top_p,
+                                **settings.sampling_extras()}
     payload: dict[str, Any] = {
         "num_process": str(settings.num_process),
         "num_epoch": str(settings.num_epoch),
@@ -106,6 +108,7 @@ def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, A
         "num_repeat_per_sample": str(settings.n_samples_per_prompt),
         "sampling_params": sampling,
         "tokenizer_path": settings.hf_checkpoint,
+        **settings.input_keys,  # slime's input_key/label_key/metadata_key/tool_key: how the buffer reads a line
     }
     # Always sent, even empty: the trainer states what its checkpoint holds, so groups the buffer handed
     # to a trainer that crashed before checkpointing them are rolled out again.
@@ -156,9 +159,14 @@ def start_rollout(api_base_url: str, args: Any, metadata: Mapping[str, Any] | No
     """
     settings = AgentRolloutSettings.from_args(args)
     payload = build_start_payload(settings, metadata)
-    url = f"{api_base_url.rstrip('/')}/start_rollout"
-    log.info("starting rollout run at %s: task %s, %d skip id(s)", url, settings.task_type,
+    log.info("starting rollout run at %s: task %s, %d skip id(s)", api_base_url, settings.task_type,
              len(payload["skip_instance_ids"]))
+    return post_start_rollout(api_base_url, payload, settings)
+
+
+def post_start_rollout(api_base_url: str, payload: dict[str, Any], settings: AgentRolloutSettings) -> dict[str, Any]:
+    """POST one `/start_rollout` body with `start_rollout`'s retry rules; returns the buffer's answer."""
+    url = f"{api_base_url.rstrip('/')}/start_rollout"
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_attempt(settings.start_attempts),
         wait=tenacity.wait_exponential(multiplier=settings.start_backoff_s, max=30.0),
@@ -267,14 +275,16 @@ def _message_of(text: str) -> str:
 
 async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
                              run_id: str | None = None, lease_s: float | None = None, batch_id: str | None = None,
-                             ack: list[str] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+                             ack: list[str] | None = None, wait_s: float | None = None,
+                             ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """`get_rollout_data` plus the buffer's `message`: when nothing is handed over, the message is the
-    only place the buffer says why (nothing ready yet, or `num` smaller than the next group).
+    only place the buffer says why (nothing ready yet, or `num` smaller than the next group). `wait_s`
+    (default: a long poll that fits in `timeout`) is how long the buffer may wait for a group.
 
     With `lease_s` the batch is leased under `batch_id` (reading it again returns the same batch: retry
     with the same id after a lost answer) until acknowledged; `ack` acknowledges earlier batches in the
     same request. A superseded run raises `RunSuperseded`."""
-    payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout)}
+    payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout) if wait_s is None else wait_s}
     if num is not None:
         payload["num"] = int(num)
     if run_id is not None:

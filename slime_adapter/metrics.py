@@ -115,17 +115,19 @@ def _wandb_run(settings: AgentRolloutSettings) -> Any:
 
 
 def log_raw_info(args: Any, all_meta_info: Sequence[dict[str, Any]], rollout_id: int,
-                 stats: BuildStats | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                 stats: BuildStats | None = None, extra: dict[str, Any] | None = None,
+                 to_wandb: bool | None = None) -> dict[str, Any]:
     """Log one step's `rollout/` metrics (wandb when `args.use_wandb`, else the log) and return them.
 
     `stats` (the step's sample-building counts) adds response-length, generated-token, fork and
     retokenization figures; `extra` adds caller-specific `rollout/` values. A wandb failure is logged and never stops training.
+    `to_wandb=False` keeps them out of wandb (slime logs them itself when they are returned to it).
     """
     settings = AgentRolloutSettings.from_args(args)
     metrics = rollout_metrics(all_meta_info, stats)
     metrics.update(extra or {})
     metrics["rollout/step"] = rollout_step(settings, rollout_id)
-    if settings.use_wandb:
+    if settings.use_wandb and to_wandb is not False:
         try:
             _wandb_run(settings).log(metrics)
         except Exception:

@@ -6,8 +6,9 @@ which attributes exist, so every value is read with a default instead of assumin
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from slime_adapter.loss_mask import VERIFY_MODES as LOSS_MASK_VERIFY_MODES
@@ -29,12 +30,43 @@ def _get(args: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+INPUT_KEY_NAMES: tuple[str, ...] = ("input_key", "label_key", "metadata_key", "tool_key")
+
+
+def input_keys_of(args: Any, prefix: str = "") -> dict[str, str | None]:
+    """slime's dataset keys the namespace has (`{prefix}input_key`, ...), by their unprefixed names; a
+    prefixed one that is None falls back to the plain one (slime's `--eval-input-key` rule)."""
+    keys: dict[str, str | None] = {}
+    for name in INPUT_KEY_NAMES:
+        value = getattr(args, prefix + name, None) if prefix else None
+        if value is None and hasattr(args, name):
+            value = getattr(args, name)
+        if value is not None or hasattr(args, name):
+            keys[name] = value
+    return keys
+
+
+def _rewards_normalization_disabled(args: Any) -> bool:
+    enabled = getattr(args, "rewards_normalization", None)  # slime: --disable-rewards-normalization stores False
+    if enabled is not None:
+        return not bool(enabled)
+    return bool(_get(args, "disable_rewards_normalization", False))
+
+
+def _list_or_none(value: Any, kind: type) -> list[Any] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, int)) else list(value)
+    return [kind(item) for item in items] or None
+
+
 @dataclass(frozen=True)
 class AgentRolloutSettings:
     """Everything the agent rollout reads from slime's `args`. Defaults, by field:
 
-    - `buffer_url` (`agent_rollout_buffer_url`, else `rollout_buffer_url`, else env `ROLLOUT_BUFFER_URL`):
-      "http://127.0.0.1:8889", the buffer's default address. A trailing "/" is removed.
+    - `buffer_url` (`rollout_buffer_url`, slime's `--rollout-buffer-url`; else `agent_rollout_buffer_url`,
+      a name slime's parser does not know, read as a fallback for namespaces built by hand; else env
+      `ROLLOUT_BUFFER_URL`): "http://127.0.0.1:8889", the buffer's default address. A trailing "/" is removed.
     - `loss_mask_type` (`loss_mask_type`): "qwen". Only used for records without `turns`, which are
       re-rendered with the chat template: slime's choices "qwen" (Qwen2.5 ChatML), "qwen3", "qwen3_5"
       (generation prompt ending with `<think>\n`, never trained) and "distill_qwen", or a type added with
@@ -51,7 +83,24 @@ class AgentRolloutSettings:
       task's / engine's own limit applies.
     - `temperature` (`rollout_temperature`): 1.0. `top_p` (`rollout_top_p`): 1.0.
     - `task_type` (`rollout_task_type`): "math".
-    - `disable_rewards_normalization` (`disable_rewards_normalization`): False. See `reward_field`.
+    - `disable_rewards_normalization`: not `rewards_normalization` (slime's `--disable-rewards-normalization`
+      stores False there); a namespace without that attribute may set `disable_rewards_normalization`.
+      False by default. See `reward_field`.
+    - `input_keys`: slime's dataset keys `input_key`, `label_key`, `metadata_key`, `tool_key`, those the
+      namespace has (slime's defaults: "input", None, "metadata", "tools"); sent to `/start_rollout`, where
+      they map every input line (see `rollout_buffer.input_keys`). Absent ones are not sent.
+    - `top_k` (`rollout_top_k`): sent in `sampling_params` unless None or -1 (slime's default, "off");
+      `stop` (`rollout_stop`), `stop_token_ids` (`rollout_stop_token_ids`): sent when set.
+    - `min_batch_collection_ratio` (`min_batch_collection_ratio`): 1.0. A step returns as soon as it holds
+      `ceil(ratio * rollout_batch_size)` groups and the buffer has no further group ready (a read that does
+      not wait); 1.0 waits for the whole `rollout_batch_size`. Must be in (0, 1]. A short step hands slime
+      fewer groups; slime's own GRPO normalisation then treats the step as one group, so pair a ratio
+      below 1 with the buffer's per-group normalisation (the `math` task's) and
+      `--disable-rewards-normalization`.
+    - `max_failed_groups` (`agent_max_consecutive_failed_groups`): max(8, rollout_batch_size). When this
+      many groups in a row come back with every member failed, `generate_rollout` raises `RunFailedError`
+      (naming the run, the failure counts and the first error) instead of polling on; 0 turns it off. A
+      native run that has ended with nothing left to hand over raises it at once, whatever this says.
     - `fetch_retry_times` (`fetch_trajectory_retry_times`): -1, unlimited consecutive failed fetches.
     - `use_wandb` (`use_wandb`): False. `wandb_project` (`wandb_project`): "rollout-buffer";
       `wandb_group` (`wandb_group`): None; `wandb_always_use_train_step`: False;
@@ -115,12 +164,21 @@ class AgentRolloutSettings:
     fork_policy: str = "last"
     loss_mask_verify: str = "cheap"
     lease_s: float = 3600.0
+    input_keys: dict[str, str | None] = field(default_factory=dict)
+    top_k: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_batch_collection_ratio: float = 1.0
+    max_failed_groups: int = 8
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
         """Read slime's namespace (any object with attributes); see the class docstring for defaults."""
-        url = (_get(args, "agent_rollout_buffer_url", None) or _get(args, "rollout_buffer_url", None)
+        url = (_get(args, "rollout_buffer_url", None) or _get(args, "agent_rollout_buffer_url", None)
                or os.environ.get("ROLLOUT_BUFFER_URL") or DEFAULT_BUFFER_URL)
+        batch = int(_get(args, "rollout_batch_size", 1))
+        top_k = _get(args, "rollout_top_k", None)
+        failed_groups = _get(args, "agent_max_consecutive_failed_groups", None)
         ip, port = getattr(args, "sglang_router_ip", None), getattr(args, "sglang_router_port", None)
         engine_url = f"http://{ip}:{port}" if ip and port else ""
         max_len = getattr(args, "rollout_max_response_len", None)
@@ -129,14 +187,14 @@ class AgentRolloutSettings:
             buffer_url=str(url).rstrip("/"),
             loss_mask_type=str(_get(args, "loss_mask_type", "qwen")),
             n_samples_per_prompt=int(_get(args, "n_samples_per_prompt", 1)),
-            rollout_batch_size=int(_get(args, "rollout_batch_size", 1)),
+            rollout_batch_size=batch,
             hf_checkpoint=_get(args, "hf_checkpoint", None),
             prompt_data=_get(args, "prompt_data", None),
             max_response_len=int(max_len) if max_len is not None else None,
             temperature=float(_get(args, "rollout_temperature", 1.0)),
             top_p=float(_get(args, "rollout_top_p", 1.0)),
             task_type=str(_get(args, "rollout_task_type", "math")),
-            disable_rewards_normalization=bool(_get(args, "disable_rewards_normalization", False)),
+            disable_rewards_normalization=_rewards_normalization_disabled(args),
             fetch_retry_times=int(_get(args, "fetch_trajectory_retry_times", -1)),
             use_wandb=bool(_get(args, "use_wandb", False)),
             wandb_project=str(_get(args, "wandb_project", "rollout-buffer")),
@@ -156,6 +214,12 @@ class AgentRolloutSettings:
             fork_policy=str(_get(args, "agent_fork_policy", "last")),
             loss_mask_verify=str(_get(args, "agent_loss_mask_verify", "cheap")),
             lease_s=float(_get(args, "agent_lease_s", 3600.0)),
+            input_keys=input_keys_of(args),
+            top_k=None if top_k is None or int(top_k) == -1 else int(top_k),
+            stop=_list_or_none(_get(args, "rollout_stop", None), str),
+            stop_token_ids=_list_or_none(_get(args, "rollout_stop_token_ids", None), int),
+            min_batch_collection_ratio=float(_get(args, "min_batch_collection_ratio", 1.0)),
+            max_failed_groups=max(8, batch) if failed_groups is None else int(failed_groups),
         )
         settings.check()
         return settings
@@ -176,9 +240,23 @@ class AgentRolloutSettings:
             raise ValueError(f"agent_fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
         if self.fork_policy not in FORK_POLICIES:
             raise ValueError(f"agent_fork_policy must be one of {FORK_POLICIES}, got {self.fork_policy!r}")
+        if not 0 < self.min_batch_collection_ratio <= 1:
+            raise ValueError(f"min_batch_collection_ratio must be in (0, 1], got {self.min_batch_collection_ratio}")
+        if self.max_failed_groups < 0:
+            raise ValueError(f"agent_max_consecutive_failed_groups must be >= 0 (0: off), got {self.max_failed_groups}")
         if self.loss_mask_verify not in LOSS_MASK_VERIFY_MODES:
             raise ValueError(f"agent_loss_mask_verify must be one of {LOSS_MASK_VERIFY_MODES}, "
                              f"got {self.loss_mask_verify!r}")
+
+    @property
+    def min_groups_per_step(self) -> int:
+        """`ceil(min_batch_collection_ratio * rollout_batch_size)`, at least 1."""
+        return max(1, math.ceil(self.min_batch_collection_ratio * self.rollout_batch_size - 1e-9))
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """slime's optional sampling settings that are set: `top_k`, `stop`, `stop_token_ids`."""
+        extras = {"top_k": self.top_k, "stop": self.stop, "stop_token_ids": self.stop_token_ids}
+        return {name: value for name, value in extras.items() if value is not None}
 
     @property
     def samples_per_step(self) -> int:

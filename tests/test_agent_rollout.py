@@ -134,8 +134,8 @@ def test_fetch_gives_up_after_the_configured_retries(server: ServerProcess, inpu
     assert buffer.get_buffer_length() == 0 and buffer.metadata == {}
 
 
-def test_evaluation_is_refused(input_file: Path, slime_data_buffer: Any) -> None:
-    with pytest.raises(NotImplementedError, match="eval"):
+def test_evaluation_without_eval_data_says_what_to_set(input_file: Path, slime_data_buffer: Any) -> None:
+    with pytest.raises(ValueError, match="no eval dataset is configured.*--eval-prompt-data"):
         generate_rollout(slime_args("http://127.0.0.1:9", input_file), 0, slime_data_buffer(), evaluation=True)
 
 

@@ -62,12 +62,14 @@ def test_settings_defaults_and_url_precedence() -> None:
     assert (settings.loss_mask_type, settings.task_type, settings.fetch_retry_times) == ("qwen", "math", -1)
     assert (settings.n_samples_per_prompt, settings.rollout_batch_size, settings.num_epoch) == (1, 1, 3)
     assert settings.use_wandb is False and settings.remote_engine_url == "" and settings.max_response_len is None
-    both = SimpleNamespace(agent_rollout_buffer_url="http://a:1/", rollout_buffer_url="http://b:2",
+    both = SimpleNamespace(agent_rollout_buffer_url="http://a:1/", rollout_buffer_url="http://b:2/",
                            sglang_router_ip="10.0.0.5", sglang_router_port=3000, num_epoch=None)
     settings = AgentRolloutSettings.from_args(both)
-    assert settings.buffer_url == "http://a:1" and settings.remote_engine_url == "http://10.0.0.5:3000"
+    assert settings.buffer_url == "http://b:2", "slime's own --rollout-buffer-url wins"
+    assert settings.remote_engine_url == "http://10.0.0.5:3000"
     assert settings.num_epoch == 3, "argparse's None means: not given"
-    assert AgentRolloutSettings.from_args(SimpleNamespace(rollout_buffer_url="http://b:2")).buffer_url == "http://b:2"
+    fallback = SimpleNamespace(agent_rollout_buffer_url="http://a:1", rollout_buffer_url=None)
+    assert AgentRolloutSettings.from_args(fallback).buffer_url == "http://a:1", "the old name is a fallback"
     with pytest.raises(ValueError, match="rollout_batch_size"):
         AgentRolloutSettings.from_args(SimpleNamespace(rollout_batch_size=0))
 
@@ -230,7 +232,7 @@ META = [
      "timed_out_groups": [], "returned_samples": 2, "drops": {"filtered_group": 1}},
     {"total_samples": 2, "num_groups": 1, "avg_group_size": 2.0, "avg_reward": 1.0,
      "status_counts": {"completed": 2}, "finished_groups": ["c"], "filtered_groups": [],
-     "timed_out_groups": ["c"], "returned_samples": 2, "drops": {"filtered_group": 1, "skipped_instance": 2}},
+     "timed_out_groups": ["c"], "returned_samples": 2, "drops": {"filtered_group": 1, "skipped_group": 2}},
 ]
 
 
@@ -249,7 +251,7 @@ def test_log_raw_info_without_wandb(caplog: pytest.LogCaptureFixture) -> None:
     assert logged["rollout/no_filter/avg_group_size"] == 2.0
     assert logged["rollout/filtered_groups"] == 1 and logged["rollout/failed_samples"] == 1
     assert logged["rollout/timed_out_groups"] == 1 and logged["rollout/finished_groups"] == 3
-    assert logged["rollout/drops/skipped_instance"] == 2, "drops are run totals: the last read's value"
+    assert logged["rollout/drops/skipped_group"] == 2, "drops are run totals: the last read's value"
     assert (logged["rollout/response_len/mean"], logged["rollout/response_len/max"],
             logged["rollout/response_len/min"]) == (20, 30, 10)
     assert logged["rollout/generated_tokens/mean"] == 11

@@ -17,14 +17,21 @@ from tests.helpers import REPO, free_port
 
 SCRIPT = REPO / "scripts" / "run_agent.sh"
 
-# A stand-in for `python train.py ...`: checks the buffer through the URL it was given, prints its argv.
+# A stand-in for `python train.py ...`: parses the buffer flags as slime's `add_rollout_buffer_arguments`
+# declares them (unknown flags ignored), checks the buffer through the URL slime would see, prints its argv.
 FAKE_TRAIN = """
-import json, sys, urllib.request
+import argparse, json, sys, urllib.request
 args = sys.argv[1:]
-url = args[args.index("--agent-rollout-buffer-url") + 1]
+parser = argparse.ArgumentParser()
+parser.add_argument("--rollout-buffer-url", type=str, default=None)
+parser.add_argument("--loss-mask-type", type=str, default="qwen", choices=["qwen", "qwen3", "qwen3_5", "distill_qwen"])
+parser.add_argument("--rollout-function-path", type=str)
+slime, _ = parser.parse_known_args(args[1:])
+url = slime.rollout_buffer_url
 health = json.load(urllib.request.urlopen(url + "/health", timeout=5))
 tasks = json.load(urllib.request.urlopen(url + "/tasks", timeout=5))
-print(json.dumps({"argv": args, "health": health, "tasks": sorted(tasks["tasks"])}), flush=True)
+print(json.dumps({"argv": args, "health": health, "tasks": sorted(tasks["tasks"]),
+                  "loss_mask_type": slime.loss_mask_type}), flush=True)
 sys.exit(int(args[0]))
 """
 
@@ -57,7 +64,9 @@ def test_flags_exit_status_and_the_buffer_is_stopped(tmp_path: Path) -> None:
     argv = report["argv"]
     url = f"http://127.0.0.1:{port}"
     assert argv[argv.index("--rollout-function-path") + 1] == "slime_adapter.agent_rollout.generate_rollout"
-    assert argv[argv.index("--agent-rollout-buffer-url") + 1] == url
+    assert argv[argv.index("--rollout-buffer-url") + 1] == url, "slime's own flag, the one its parser reads"
+    assert "--agent-rollout-buffer-url" not in argv
+    assert report["loss_mask_type"] == "qwen3"
     assert argv.count("--loss-mask-type") == 1 and argv[argv.index("--loss-mask-type") + 1] == "qwen3", \
         "a flag the command already gives is not appended again"
     assert report["health"]["status"] == "ok" and "external" in report["tasks"], "the task dir was passed"

@@ -1,6 +1,9 @@
-"""Rule-based answer checking for the built-in tasks: the last `\\boxed{...}` against a label.
+"""Rule-based answer checking for the built-in tasks: the model's final answer against a label.
 
-Not a task module (its name does not end in `_generator.py`); the math and calculator tasks share it.
+The final answer is the content of the last `\\boxed{...}`, or, in a response without one, the text after
+the last `Answer:` (the format DAPO-Math-17k's prompts ask for: "The last line of your response should be
+of the form Answer: $Answer"). Not a task module (its name does not end in `_generator.py`); the math and
+calculator tasks share it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 _BOXED = "\\boxed{"
 _NOISE = re.compile(r"\\[!,;: ]|\$|\\left|\\right|\s+")
 _TEXT_WRAPPER = re.compile(r"^\\(?:text|mathrm|textbf)\{(.*)\}$")
+_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # DAPO's answer pattern (slime's math_dapo_utils)
 
 
 def extract_boxed(text: str) -> str | None:
@@ -29,6 +33,15 @@ def extract_boxed(text: str) -> str | None:
             if depth == 0:
                 return text[i:j]
     return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the last `\\boxed{...}`, else the text after the last `Answer:`, else None."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    lines = _ANSWER_LINE.findall(text)
+    return lines[-1].strip() if lines else None
 
 
 def normalize(answer: str) -> str:
@@ -70,5 +83,5 @@ def answers_match(predicted: str | None, label: Any) -> bool:
 
 
 def boxed_reward(response: str, label: Any) -> float:
-    """1.0 when the response's last boxed answer matches the label, else 0.0."""
-    return 1.0 if answers_match(extract_boxed(response), label) else 0.0
+    """1.0 when the response's final answer (`extract_answer`) matches the label, else 0.0."""
+    return 1.0 if answers_match(extract_answer(response), label) else 0.0

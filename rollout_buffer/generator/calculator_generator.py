@@ -4,7 +4,9 @@ reached. Reward: 1.0 when the final boxed answer matches the label.
 
 A template to copy for a multi-turn native task: declare `TOOLS`, loop on `ctx.engine.chat`, append the
 returned assistant message and the tool results, never edit earlier messages (the engine client records
-the exact tokens of every turn and refuses a rewritten history).
+the exact tokens of every turn and refuses a rewritten history). Input lines are read like `math`'s
+(`validate_sample` is the same); tools given per line (`tool_key`) are offered after the calculator, and a
+call to one of them gets an error result, since this task can run only the calculator.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from rollout_buffer.generator.boxed import boxed_reward, extract_boxed
-from rollout_buffer.generator.math_generator import label_of, prompt_messages
+from rollout_buffer.generator.boxed import boxed_reward, extract_answer
+from rollout_buffer.generator.math_generator import label_of, prompt_messages, validate_sample
 from rollout_buffer.task_contract import RolloutContext
+
+__all__ = ["MAX_TURNS", "TASK_TYPE", "TOOLS", "calculate", "offered_tools", "rollout", "run_tool_call",
+           "validate_sample"]
 
 TASK_TYPE = "calculator"
 MAX_TURNS = 4
@@ -86,12 +91,21 @@ def run_tool_call(call: dict[str, Any]) -> str:
     return calculate(expression)
 
 
+def offered_tools(sample: dict[str, Any]) -> list[dict[str, Any]]:
+    """The calculator, then the line's own tools whose names differ from it."""
+    ours = {tool["function"]["name"] for tool in TOOLS}
+    extra = [tool for tool in sample.get("tools") or []
+             if (tool.get("function") or {}).get("name", tool.get("name")) not in ours]
+    return [*TOOLS, *extra]
+
+
 async def rollout(sample: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
     messages = prompt_messages(sample, INSTRUCTION)
+    tools = offered_tools(sample)
     tool_calls = 0
     status = "completed"
     for turn in range(MAX_TURNS):
-        answer = await ctx.engine.chat(messages, tools=TOOLS)
+        answer = await ctx.engine.chat(messages, tools=tools)
         messages.append(answer.message)
         calls = answer.message.get("tool_calls") or []
         if not calls or answer.finish_reason != "stop":
@@ -103,12 +117,12 @@ async def rollout(sample: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]
             tool_calls += 1
             messages.append({"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
                              "content": run_tool_call(call)})
-    final = messages[-1].get("content", "") if messages[-1]["role"] == "assistant" else ""
+    final = (messages[-1].get("content") or "") if messages[-1]["role"] == "assistant" else ""
     label = label_of(sample)
     result: dict[str, Any] = {
         "messages": messages,
         "reward": boxed_reward(final, label),
-        "extra_info": {"label": label, "predicted": extract_boxed(final), "tool_calls": tool_calls},
+        "extra_info": {"label": label, "predicted": extract_answer(final), "tool_calls": tool_calls},
     }
     if status != "completed":
         result["status"] = status

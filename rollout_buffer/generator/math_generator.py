@@ -1,7 +1,10 @@
-"""Built-in task `math`: one model answer per prompt, rewarded 1.0 when its last `\\boxed{}` matches the label.
+"""Built-in task `math`: one model answer per prompt, rewarded 1.0 when its final answer matches the label.
 
-A template to copy for a single-turn native task. Input lines need a prompt (`messages`, `prompt` or
-`question`) and a label (`label` or `answer`). Groups are GRPO-normalised when the trainer reads them
+A template to copy for a single-turn native task. It reads the normalised sample (slime's keys, see
+`rollout_buffer.input_keys`): `prompt` as text (the instruction to box the answer is appended) or as a
+list of chat messages (used as they are, e.g. dapo-math-17k's `prompt`), `label`, and per-line `tools`,
+which are rendered into the prompt. The final answer is the last `\\boxed{}` or, failing that, an
+`Answer:` line (`rollout_buffer.generator.boxed`). Groups are GRPO-normalised when the trainer reads them
 (`transform_group`); the reward before normalisation stays in `raw_reward`.
 """
 
@@ -9,39 +12,54 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_buffer.generator.boxed import boxed_reward, extract_boxed
+from rollout_buffer.generator.boxed import boxed_reward, extract_answer
 from rollout_buffer.groups import grpo_normalize_group
-from rollout_buffer.task_contract import RolloutContext
+from rollout_buffer.input_keys import PROMPT_KEYS, check_prompt
+from rollout_buffer.task_contract import InvalidSample, RolloutContext
 
 TASK_TYPE = "math"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
+def _prompt_of(sample: dict[str, Any]) -> Any:
+    prompt = sample.get("prompt")
+    if prompt is None:  # a raw line from a caller that did not normalise it
+        prompt = next((sample[k] for k in PROMPT_KEYS if sample.get(k) is not None), None)
+    return prompt
+
+
 def prompt_messages(sample: dict[str, Any], instruction: str = INSTRUCTION) -> list[dict[str, Any]]:
-    """The chat prompt of a line: its `messages`, or its `prompt`/`question` text as one user message."""
-    messages = sample.get("messages")
-    if isinstance(messages, list) and messages:
-        return [dict(m) for m in messages]
-    text = sample.get("prompt", sample.get("question"))
-    if not isinstance(text, str) or not text:
-        raise ValueError("input line has no 'messages', 'prompt' or 'question'")
-    return [{"role": "user", "content": f"{text}\n{instruction}" if instruction else text}]
+    """The chat prompt of a line: its message list as given, or its text as one user message with
+    `instruction` appended. Raises `InvalidSample` for anything else."""
+    prompt = _prompt_of(sample)
+    check_prompt(prompt)
+    if isinstance(prompt, list):
+        return [dict(m) for m in prompt]
+    return [{"role": "user", "content": f"{prompt}\n{instruction}" if instruction else prompt}]
 
 
 def label_of(sample: dict[str, Any]) -> Any:
-    return sample.get("label", sample.get("answer"))
+    label = sample.get("label")
+    return sample.get("answer") if label is None else label
+
+
+def validate_sample(sample: dict[str, Any]) -> None:
+    """A usable prompt (text or chat messages) and a label to reward against."""
+    check_prompt(_prompt_of(sample))
+    if label_of(sample) is None:
+        raise InvalidSample("label", "missing: the answer is rewarded against it")
 
 
 async def rollout(sample: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
     messages = prompt_messages(sample)
-    answer = await ctx.engine.chat(messages)
+    answer = await ctx.engine.chat(messages, tools=sample.get("tools") or None)
     messages.append(answer.message)
     label = label_of(sample)
-    content = answer.message.get("content", "")
+    content = answer.message.get("content") or ""
     return {
         "messages": messages,
         "reward": boxed_reward(content, label),
-        "extra_info": {"label": label, "predicted": extract_boxed(content)},
+        "extra_info": {"label": label, "predicted": extract_answer(content)},
     }
 
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from rollout_buffer import handover, retention
 from rollout_buffer.app_state import state_of
+from rollout_buffer.failures import failure_summary
 from rollout_buffer.http_errors import error_response
 from rollout_buffer.runs import StartRolloutError, start_run
 from rollout_buffer.schema import StartRolloutRequest
@@ -41,7 +42,7 @@ async def runs(request: Request) -> Any:
 
 @router.get("/runs/{run_id}")
 async def run_detail(run_id: str, request: Request) -> Any:
-    """Tasks, groups and drops of one run."""
+    """Tasks, groups, drops and failures (by error type, with the first example of each) of one run."""
     state = state_of(request)
     meta = await state.store.run_meta(run_id)
     if not meta:
@@ -69,6 +70,7 @@ async def run_detail(run_id: str, request: Request) -> Any:
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
         "leases": {name: int(stats.get(name, 0)) for name in (
             "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks")},
+        "failures": await failure_summary(state.store.redis, run_id, stats),
         "stats": stats,
     }
 

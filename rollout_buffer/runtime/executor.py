@@ -1,8 +1,11 @@
 """Running one task: the task module's `rollout()` under a time limit, then exactly one record.
 
-Whatever happens inside the rollout (an exception, an engine error after retries, the time limit), the
-task ends with a record, so its group completes. Only infrastructure failures (Redis unreachable) or a
-worker shutdown leave a task unacknowledged, and then another worker reclaims it after the lease.
+Whatever happens inside the rollout (an exception, an engine error after retries, the time limit, a line
+the task cannot use), the task ends with a record, so its group completes. Only infrastructure failures
+(Redis unreachable) or a worker shutdown leave a task unacknowledged, and then another worker reclaims it
+after the lease. The task sees the input line normalised with the run's slime keys
+(`rollout_buffer.input_keys`); failures are counted by type and logged without flooding
+(`rollout_buffer.runtime.failure_log`).
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import aiohttp
 
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
+from rollout_buffer.input_keys import InputKeys, normalise, prompt_messages
 from rollout_buffer.runtime.engine_http import RetryPolicy
+from rollout_buffer.runtime.failure_log import FailureLog
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.records import failure_record, success_record
 from rollout_buffer.runtime.sglang_client import GenerateClient
@@ -44,6 +50,16 @@ class RunHandle:
     task: TaskModule
     tokenizer: Any | None
     queue: TaskQueue
+    failures: FailureLog | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.failures is None:
+            self.failures = FailureLog(self.run_id)
+
+    @cached_property
+    def input_keys(self) -> InputKeys:
+        """The run's slime dataset keys (checked by `/start_rollout`, so they parse here)."""
+        return InputKeys.from_options(self.options.extra)
 
     def engine_client(self, session: aiohttp.ClientSession, uid: str, stats: Counter[str]) -> EngineClient:
         opts = self.options
@@ -58,9 +74,13 @@ class RunHandle:
                               max_abort_continuations=opts.max_abort_continuations, stats=stats)
 
 
-def _prompt_messages(sample: dict[str, Any] | None) -> list[dict[str, Any]]:
-    messages = (sample or {}).get("messages")
-    return messages if isinstance(messages, list) else []
+def _prompt_messages(handle: RunHandle, line: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The line's prompt as chat messages, for a failure record (empty when the line has none usable)."""
+    try:
+        prompt = normalise(line or {}, handle.input_keys)["prompt"]
+    except ValueError:
+        return []
+    return [m for m in prompt_messages(prompt) if isinstance(m.get("role"), str)]
 
 
 async def execute(handle: RunHandle, task: Task, *, store: Store, session: aiohttp.ClientSession,
@@ -78,14 +98,17 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
                                 tools=handle.task.tools, duration_s=0.0, error_type="MissingSample", **common)
     elif claim.attempt > handle.options.max_task_attempts:
         record = failure_record(f"gave up after {claim.attempt - 1} deliveries without a result (a worker died or "
-                                "was stopped each time)", messages=_prompt_messages(claim.sample),
+                                "was stopped each time)", messages=_prompt_messages(handle, claim.sample),
                                 tools=handle.task.tools, duration_s=0.0, error_type="TooManyAttempts", **common)
     else:
         record = await _rollout(handle, task, claim.sample, session=session, uid=uid, attempt=claim.attempt,
                                 stats=stats, worker=worker, started=time.monotonic())
-    if record["status"] == "failed":
-        stats[f"rollout_errors:{record['extra_info'].get('error_type', 'unknown')}"] += 1
+    failed = record["status"] == "failed"
+    if failed:
+        stats[f"rollout_errors:{record['extra_info'].get('error_type') or 'unknown'}"] += 1
     outcome = await store.write_record(handle.run_id, record)
+    if failed and handle.failures is not None:
+        await handle.failures.note(store.redis, record)
     if outcome.outcome == "dropped" and outcome.reason in ("skipped_group", "run_superseded", "unknown_run"):
         final = "skipped"
     else:
@@ -94,7 +117,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
     return final
 
 
-async def _rollout(handle: RunHandle, task: Task, sample: dict[str, Any], *, session: aiohttp.ClientSession,
+async def _rollout(handle: RunHandle, task: Task, line: dict[str, Any], *, session: aiohttp.ClientSession,
                    uid: str, attempt: int, stats: Counter[str], worker: str, started: float) -> dict[str, Any]:
     client = handle.engine_client(session, uid, stats)
     logger = logging.LoggerAdapter(log, {"uid": uid, "worker": worker})
@@ -102,7 +125,7 @@ async def _rollout(handle: RunHandle, task: Task, sample: dict[str, Any], *, ses
         engine=client, tokenizer=handle.tokenizer, sampling_params=dict(handle.options.sampling_params),
         attempt=attempt, logger=logger, run_id=handle.run_id, uid=uid, instance_id=task.instance_id,
         epoch=task.epoch, repeat=task.repeat, task_type=handle.task.task_type,
-        extra={"options": handle.options.extra},
+        extra={"options": handle.options.extra}, line=line,
     )
     common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
                               "repeat": task.repeat, "attempt": attempt}
@@ -111,7 +134,10 @@ async def _rollout(handle: RunHandle, task: Task, sample: dict[str, Any], *, ses
         deadline = asyncio.timeout(limit)
         try:
             async with deadline:
-                result = await handle.task.module.rollout(sample, ctx)  # a fresh copy from Redis
+                sample = normalise(line, handle.input_keys)  # `line` is a fresh copy from Redis
+                if handle.task.validate_sample is not None:  # /start_rollout checked only the first lines
+                    handle.task.validate_sample(sample)
+                result = await handle.task.module.rollout(sample, ctx)
         except TimeoutError as exc:
             if not deadline.expired():  # the task's own timeout, not ours: an ordinary failure
                 raise
@@ -122,8 +148,8 @@ async def _rollout(handle: RunHandle, task: Task, sample: dict[str, Any], *, ses
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - any task failure becomes a failure record
-        logger.warning("rollout %s failed: %s: %s", uid, type(exc).__name__, exc)
-        conversation = getattr(client, "conversation", None) or _prompt_messages(sample)
+        logger.debug("rollout %s failed: %s: %s", uid, type(exc).__name__, exc)  # counted, see FailureLog
+        conversation = getattr(client, "conversation", None) or _prompt_messages(handle, line)
         return failure_record(exc, messages=conversation, tools=_tools_of(client, handle),
                               duration_s=time.monotonic() - started, **common)
 
