@@ -89,7 +89,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
                             registry=metrics),
         )
         app.state.buffer = state
-        app.state.remote = RemoteService(store, registry, settings)
+        app.state.remote = RemoteService(store, registry, settings, metrics=metrics)
         await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
         sweeper = asyncio.create_task(_sweep_group_timeouts(state)) if settings.group_timeout_s else None
         tune_gc()
