@@ -9,6 +9,8 @@ periodically, every unsettled rollout whose owner's lease has lapsed is taken ov
 compare-and-set, so only one process wins): `queued` ones are run (the trainer has seen no call yet),
 `running` ones are reported as ERROR ("buffer restarted"; the trainer already holds part of them, so they
 cannot be replayed), finished ones get their stored callback (re)delivered under the same idempotency key.
+A settled rollout (callback delivered, or refused for good) leaves the open set and its state expires after
+`settled_ttl_s`; the same scan drops the index entries of expired states.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 RESTARTED = "buffer restarted while the rollout was running; it cannot be resumed (the trainer already holds part of it)"
 SHUT_DOWN = "buffer shut down while the rollout was running"
 ORPHAN_INDEX_GRACE_S = 60.0
+SETTLED = ("delivered", "failed")  # callback statuses after which nothing is left to do
 
 
 class RemoteService:
@@ -294,10 +297,10 @@ class RemoteService:
             brief = await self.states.brief(rollout_id)
             if brief is None:
                 if now - entered > ORPHAN_INDEX_GRACE_S:  # index entry of a claim that never happened
-                    await self.states.settle(rollout_id)
+                    await self.states.settle(rollout_id, self.config.settled_ttl_s)
                 continue
-            if brief["callback_status"] == "delivered":
-                await self.states.settle(rollout_id)
+            if brief["callback_status"] in SETTLED:  # settled, then crashed before leaving the open set
+                await self.states.settle(rollout_id, self.config.settled_ttl_s)
                 continue
             owner = brief["owner"]
             if owner not in alive:
@@ -311,6 +314,7 @@ class RemoteService:
             if raw is not None:
                 taken += 1
                 self._resume(rollout_id, raw)
+        await self.states.prune_index(now - self.config.settled_ttl_s)
         return taken
 
     def _resume(self, rollout_id: str, raw: dict[str, str]) -> None:

@@ -131,9 +131,29 @@ class RemoteStates:
             return None
         return {name: _text(v) if v is not None else "" for name, v in zip(("owner", "status", "callback_status"), values)}
 
-    async def settle(self, rollout_id: str) -> None:
-        """Its callback was delivered: nothing left to do after a restart."""
-        await self.redis.zrem(keys.REMOTE_OPEN, rollout_id)
+    async def settle(self, rollout_id: str, ttl_s: float) -> None:
+        """Its callback was delivered (or finally refused): nothing is left to do after a restart, and the
+        state expires `ttl_s` from now. (Two keys, so no MULTI: a crash in between leaves the id open, and the
+        scan settles it again.)"""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.pexpire(keys.remote(rollout_id), max(1, int(ttl_s * 1000)))
+            pipe.zrem(keys.REMOTE_OPEN, rollout_id)
+            await pipe.execute()
+
+    async def prune_index(self, older_than: float, page: int = 500) -> int:
+        """Drop index entries that entered before `older_than` and whose state has expired; returns how many."""
+        ids = [_text(x) for x in await self.redis.zrangebyscore(keys.REMOTE_INDEX, "-inf", older_than, start=0,
+                                                                  num=page)]
+        if not ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rollout_id in ids:
+                pipe.exists(keys.remote(rollout_id))
+            alive = await pipe.execute()
+        gone = [rollout_id for rollout_id, exists in zip(ids, alive) if not exists]
+        if gone:
+            await self.redis.zrem(keys.REMOTE_INDEX, *gone)
+        return len(gone)
 
     async def heartbeat(self, owner: str, ttl_s: float, info: str) -> None:
         await self.redis.set(keys.remote_owner(owner), info, px=max(1, int(ttl_s * 1000)))

@@ -76,7 +76,7 @@ class Session:
 class CallbackAttempt:
     rollout_id: str | None
     idempotency_key: str | None
-    outcome: str  # accepted | duplicate | fail_500 | dropped | bad_request
+    outcome: str  # accepted | duplicate | fail_500 | dropped | refused | bad_request
     body: dict[str, Any] | None
     at: float
 
@@ -112,9 +112,9 @@ class RecordingTrainer:
 
     def fail_callbacks(self, count: int, mode: str = "500") -> None:
         """Fail `count` more callback attempts (queued after earlier ones): "500" answers HTTP 500, "drop"
-        closes the connection without an answer."""
-        if mode not in ("500", "drop"):
-            raise ValueError("mode must be '500' or 'drop'")
+        closes the connection without an answer, "400" refuses the body with HTTP 400."""
+        if mode not in ("500", "drop", "400"):
+            raise ValueError("mode must be '500', 'drop' or '400'")
         with self._cond:
             self._fail.extend([mode] * count)
 
@@ -211,7 +211,7 @@ class RecordingTrainer:
         with self._cond:
             mode = self._fail.pop(0) if self._fail else None
             if mode is not None:
-                outcome = "fail_500" if mode == "500" else "dropped"
+                outcome = {"500": "fail_500", "drop": "dropped", "400": "refused"}[mode]
             elif not isinstance(body, dict) or not isinstance(rollout_id, str) or not rollout_id or key != rollout_id:
                 outcome = "bad_request"
             else:
@@ -225,6 +225,8 @@ class RecordingTrainer:
             raise asyncio.CancelledError
         if outcome == "fail_500":
             return self._json({"error": "injected callback failure"}, 500)
+        if outcome == "refused":
+            return self._json({"error": "injected callback refusal"}, 400)
         if outcome == "bad_request":
             return self._json({"error": "callback needs a JSON body with rollout_id and a matching "
                                         "Idempotency-Key header"}, 400)
