@@ -118,6 +118,32 @@ def test_tool_loop_masks_match_the_trainers_count_and_drift_is_reported(
     assert metric(server, "rollout_buffer_remote_mask_drift_tokens_total") == tokens_before + mask["drift_tokens"]
 
 
+def test_noisy_model_ids_drift_and_each_mask_still_follows_the_formula(server: ServerProcess) -> None:
+    """The test engine's noise tokens do not survive decode -> encode (real BPE merges), so re-rendered
+    replies have other ids and other lengths. Fixed rollout ids make the sampled ids, and so this test,
+    deterministic."""
+    with run_recording_trainer_in_thread(template="qwen2.5", seed=7) as trainer:
+        bodies = [init_body(trainer, rollout_id=f"noisy-{i}") for i in range(4)]
+        for body in bodies:
+            start(server, body)
+        done = [trainer.wait_for_completion(body["rollout_id"]) for body in bodies]
+        recs = [trainer.recorded(body["rollout_id"]) for body in bodies]
+    assert {d["status"] for d in done} == {"COMPLETED"}
+    offsets = []
+    for body, rec in zip(bodies, recs):
+        drifted = check_masks_against_the_formula(rec)
+        mask = delivered_state(server, body["rollout_id"])["mask"]
+        assert mask["counted_calls"] == len(rec["calls"]) - 1 and mask["drift_calls"] == len(drifted)
+        if drifted:
+            call = rec["calls"][drifted[0]]
+            assert mask["first_drift"]["call_index"] == drifted[0]
+            assert mask["first_drift"]["offset"] == call["expected_new_tokens"] - len(call["tail_ids"])
+            offsets.append(mask["first_drift"]["offset"])
+            if mask["first_drift"]["offset"]:  # the trainer's context after the reply is off by that much
+                assert call["new_token_ids"] != call["tail_ids"]
+    assert offsets and any(offsets), "the noise must make re-rendered replies drift, in length too"
+
+
 def test_exact_rerender_reports_no_drift_with_choice_level_token_ids(server: ServerProcess) -> None:
     with run_recording_trainer_in_thread(template="qwen2.5", seed=9, noise_tokens=(0, 0),
                                          token_ids_at="choice") as trainer:

@@ -56,7 +56,7 @@ async def test_settle_expires_the_state_and_prune_drops_only_expired_index_entri
 
 @pytest.fixture(scope="module")
 def trainer() -> Iterator[RecordingTrainer]:
-    with run_recording_trainer_in_thread(template="qwen2.5", seed=11) as recording:
+    with run_recording_trainer_in_thread(template="qwen2.5", seed=11, noise_tokens=(0, 0)) as recording:
         yield recording
 
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class CallReport:
     """What one finished call adds to the rollout's state."""
 
-    turn: dict[str, Any] | None  # the token-exact turn, when the answer carried token ids
+    turn: dict[str, Any] | None  # the token-exact turn, when the answer carried prompt and output token ids
     counted: bool  # the call carried a response_mask counted by the formula
     drift: Drift | None
 
