@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
                             registry=metrics),
         )
         app.state.buffer = state
-        app.state.remote = RemoteService(store, registry, settings)
+        app.state.remote = RemoteService(store, registry, settings, metrics=metrics)
         await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
         upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep")]
         if embedded is not None and embedded.owner:

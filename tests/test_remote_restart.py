@@ -30,7 +30,7 @@ def wait_state(server: ServerProcess, rollout_id: str, check: Any, timeout_s: fl
 
 def test_rollouts_in_flight_at_sigkill_are_reported_after_restart(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    with run_recording_trainer_in_thread(template="qwen2.5", seed=3) as trainer:
+    with run_recording_trainer_in_thread(template="qwen2.5", seed=3, noise_tokens=(0, 0)) as trainer:
         server = ServerProcess(data, "--task-dir", TASKS, "--workers", "0", env=ENV).start()
         try:
             # B finishes, but the trainer refuses every callback attempt until after the restart.

@@ -1,9 +1,9 @@
 """Remote rollouts for trainer-hosted engines: the trainer posts `/init`, the buffer drives the task module
-against the trainer's own `/v1/chat/completions` (with a `response_mask` per call) and reports completion
-with exactly one `POST /v1/rollout/completed`. `token_fix` holds the on-policy token alignment for
-chat-completion trajectories.
+against the trainer's own `/v1/chat/completions` (with a `response_mask` per call, counted by the protocol's
+formula in `remote.mask`, its drift measured in `remote.drift`) and reports completion with exactly one
+`POST /v1/rollout/completed`.
 
-The service and its router are imported lazily, so `remote.token_fix` stays a light import of its own.
+The service and its router are imported lazily, so `remote.mask` stays a light import of its own.
 """
 
 from __future__ import annotations

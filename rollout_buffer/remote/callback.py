@@ -5,7 +5,8 @@ attempt carries `Idempotency-Key: <rollout_id>`. Connection errors, timeouts, 40
 with exponential backoff (tenacity) until the deadline; the first 2xx is recorded as `delivered` and nothing
 is sent again. A crash between a 2xx and that record can at worst resend the same body under the same key,
 which the trainer dedupes. Another 4xx means the trainer refuses the body: retrying cannot help, so it is
-recorded as `failed` with the trainer's answer.
+recorded as `failed` with the trainer's answer. Delivered and failed rollouts are settled: left alone by
+restarts, their state expires after `settled_ttl_s`.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class CallbackSender:
             return False
         await self.states.update(rollout_id, self.owner, callback_status="delivered",
                                  callback_delivered_at=time.time(), callback_error="")
-        await self.states.settle(rollout_id)
+        await self.states.settle(rollout_id, self.settings.settled_ttl_s)
         return True
 
     async def _attempt(self, url: str, rollout_id: str, payload: bytes) -> None:
@@ -103,5 +104,7 @@ class CallbackSender:
         await self.states.update(rollout_id, self.owner, callback_error=error[:1000])
 
     async def _record_failure(self, rollout_id: str, error: str) -> None:
+        """A refusal or a passed deadline is final: recorded as `failed` and settled like a delivery."""
         log.error("rollout %s: completion callback not delivered: %s", rollout_id, error)
-        await self.states.update(rollout_id, self.owner, callback_status="failed", callback_error=error[:1000])
+        if await self.states.update(rollout_id, self.owner, callback_status="failed", callback_error=error[:1000]):
+            await self.states.settle(rollout_id, self.settings.settled_ttl_s)

@@ -9,6 +9,8 @@ periodically, every unsettled rollout whose owner's lease has lapsed is taken ov
 compare-and-set, so only one process wins): `queued` ones are run (the trainer has seen no call yet),
 `running` ones are reported as ERROR ("buffer restarted"; the trainer already holds part of them, so they
 cannot be replayed), finished ones get their stored callback (re)delivered under the same idempotency key.
+A settled rollout (callback delivered, or refused for good) leaves the open set and its state expires after
+`settled_ttl_s`; the same scan drops the index entries of expired states.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client import CollectorRegistry
 
 from rollout_buffer.remote.callback import CallbackSender
-from rollout_buffer.remote.engine import RemoteEngineClient
+from rollout_buffer.remote.engine import CallReport, RemoteEngineClient
+from rollout_buffer.remote.metrics import RemoteMetrics
 from rollout_buffer.remote.schema import InitRequest, callback_body
 from rollout_buffer.remote.settings import RemoteSettings
 from rollout_buffer.remote.state import RemoteStates, public_view
@@ -42,16 +46,18 @@ log = logging.getLogger(__name__)
 RESTARTED = "buffer restarted while the rollout was running; it cannot be resumed (the trainer already holds part of it)"
 SHUT_DOWN = "buffer shut down while the rollout was running"
 ORPHAN_INDEX_GRACE_S = 60.0
+SETTLED = ("delivered", "failed")  # callback statuses after which nothing is left to do
 
 
 class RemoteService:
     """The remote-rollout side of one API process."""
 
     def __init__(self, store: Store, registry: TaskRegistry, settings: Settings,
-                 remote_settings: RemoteSettings | None = None) -> None:
+                 remote_settings: RemoteSettings | None = None, metrics: CollectorRegistry | None = None) -> None:
         self.registry = registry
         self.settings = settings
         self.config = remote_settings or RemoteSettings()
+        self.metrics = RemoteMetrics(metrics)
         self.states = RemoteStates(store.redis)
         self.owner = uuid.uuid4().hex
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
@@ -189,17 +195,16 @@ class RemoteService:
         assert self._session is not None
         rollout_id = request.rollout_id
 
-        async def on_call(turn: dict[str, Any] | None) -> None:
-            await self.states.incr(rollout_id, "calls")
-            if turn is not None:
-                await self.states.incr(rollout_id, "turns")
+        async def on_call(report: CallReport) -> None:
+            await self.states.record_call(rollout_id, turn=report.turn is not None, counted=report.counted,
+                                          drift=report.drift)
 
         client = RemoteEngineClient(
             session=self._session, server_url=request.server_url, rollout_id=rollout_id, tokenizer=tokenizer,
             model=request.tokenizer_name, tools=request.tools, sampling_params=request.sampling_params,
             policy=RetryPolicy(timeout_s=self.config.engine_timeout_s, retries=self.config.engine_retries,
                                backoff_s=self.config.engine_backoff_s),
-            on_call=on_call)
+            metrics=self.metrics, on_call=on_call)
         metadata = dict(request.metadata or {})
         ctx = RolloutContext(
             engine=client, tokenizer=tokenizer, sampling_params=dict(request.sampling_params), attempt=attempt,
@@ -219,35 +224,42 @@ class RemoteService:
         except TimeoutError as exc:
             message = (f"rollout timed out after {limit:g}s" if deadline.expired()
                        else f"{type(exc).__name__}: {exc}")
-            return self._error(request, message, client.conversation or conversation, client.calls)
+            return self._error(request, message, client.conversation or conversation, client)
         except Exception as exc:  # noqa: BLE001 - any task failure becomes the ERROR callback
             log.info("rollout %s: task raised %s: %s", rollout_id, type(exc).__name__, exc)
             return self._error(request, f"{type(exc).__name__}: {exc}", client.conversation or conversation,
-                               client.calls)
+                               client)
         return self._completed(request, result, client)
 
     def _metadata(self, request: InitRequest, **info: Any) -> dict[str, Any]:
         return {**(request.metadata or {}), "rollout_buffer": info}
 
     def _error(self, request: InitRequest, error: str, messages: list[dict[str, Any]],
-               calls: int = 0) -> dict[str, Any]:
+               client: RemoteEngineClient | None = None, *, calls: int = 0,
+               mask: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The ERROR body, with what is known of the calls made: from the `client`, else `calls` and `mask`."""
+        if client is not None:
+            calls, mask = client.calls, client.drift.as_dict()
+        info: dict[str, Any] = {"engine_calls": calls}
+        if mask is not None:
+            info["mask"] = mask
         return callback_body(request.rollout_id, "ERROR", messages=snapshot(messages), reward=0.0, error=error,
-                             metadata=self._metadata(request, engine_calls=calls))
+                             metadata=self._metadata(request, **info))
 
     def _completed(self, request: InitRequest, result: Any, client: RemoteEngineClient) -> dict[str, Any]:
         if not isinstance(result, dict) or not isinstance(result.get("messages"), list):
             return self._error(request, f"task returned {type(result).__name__} without a messages list",
-                               client.conversation, client.calls)
+                               client.conversation, client)
         try:
             reward = float(result.get("reward", 0.0))
             messages = snapshot(result["messages"])
         except (TypeError, ValueError) as exc:
             return self._error(request, f"task result is not serialisable or has a bad reward: {exc}",
-                               client.conversation, client.calls)
+                               client.conversation, client)
         if not math.isfinite(reward):
-            return self._error(request, f"task returned a non-finite reward {reward!r}", messages, client.calls)
+            return self._error(request, f"task returned a non-finite reward {reward!r}", messages, client)
         info = {"task_status": result.get("status", "completed"), "extra_info": result.get("extra_info") or {},
-                "engine_calls": client.calls, "turns": len(client.turns)}
+                "engine_calls": client.calls, "turns": len(client.turns), "mask": client.drift.as_dict()}
         try:
             orjson.dumps(info)
         except TypeError:
@@ -285,10 +297,10 @@ class RemoteService:
             brief = await self.states.brief(rollout_id)
             if brief is None:
                 if now - entered > ORPHAN_INDEX_GRACE_S:  # index entry of a claim that never happened
-                    await self.states.settle(rollout_id)
+                    await self.states.settle(rollout_id, self.config.settled_ttl_s)
                 continue
-            if brief["callback_status"] == "delivered":
-                await self.states.settle(rollout_id)
+            if brief["callback_status"] in SETTLED:  # settled, then crashed before leaving the open set
+                await self.states.settle(rollout_id, self.config.settled_ttl_s)
                 continue
             owner = brief["owner"]
             if owner not in alive:
@@ -302,6 +314,7 @@ class RemoteService:
             if raw is not None:
                 taken += 1
                 self._resume(rollout_id, raw)
+        await self.states.prune_index(now - self.config.settled_ttl_s)
         return taken
 
     def _resume(self, rollout_id: str, raw: dict[str, str]) -> None:
@@ -311,7 +324,8 @@ class RemoteService:
         if status == "queued":
             self._start_rollout(rollout_id, request)
         elif status == "running":
-            body = self._error(request, RESTARTED, request.messages, int(raw.get("calls") or 0))
+            body = self._error(request, RESTARTED, request.messages, calls=int(raw.get("calls") or 0),
+                               mask=public_view(raw)["mask"])
             self._spawn(self._finish(request, body), f"remote-finish-{rollout_id}")
         else:
             body = orjson.loads(raw["callback"])

@@ -29,3 +29,6 @@ class RemoteSettings(BaseSettings):
     callback_deadline_s: float = Field(default=3600.0, gt=0)
     # On a clean shutdown, time allowed for ERROR callbacks of the rollouts it interrupts.
     shutdown_grace_s: float = Field(default=5.0, ge=0)
+    # How long a settled rollout's state (callback delivered, or refused/given up) stays readable at
+    # GET /init/{rollout_id} and keeps /init idempotent; then it expires and the rollout_id is unknown again.
+    settled_ttl_s: float = Field(default=86400.0, gt=0)

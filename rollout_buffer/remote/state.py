@@ -17,6 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from rollout_buffer import keys
+from rollout_buffer.remote.drift import Drift
 from rollout_buffer.remote.schema import InitRequest
 
 # Create the hash only when absent: the race-free claim of a rollout_id across API processes.
@@ -96,6 +97,21 @@ class RemoteStates:
     async def incr(self, rollout_id: str, name: str, amount: int = 1) -> int:
         return int(await self.redis.hincrby(keys.remote(rollout_id), name, amount))
 
+    async def record_call(self, rollout_id: str, *, turn: bool, counted: bool, drift: Drift | None) -> None:
+        """One finished trainer call: the call and turn counts, and the response mask's drift."""
+        key = keys.remote(rollout_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "calls", 1)
+            if turn:
+                pipe.hincrby(key, "turns", 1)
+            if counted:
+                pipe.hincrby(key, "mask_counted", 1)
+            if drift is not None:
+                pipe.hincrby(key, "drift_calls", 1)
+                pipe.hincrby(key, "drift_tokens", drift.tokens)
+                pipe.hsetnx(key, "drift_first", orjson.dumps(drift.as_dict()))
+            await pipe.execute()
+
     async def open_ids(self, page: int = 500) -> AsyncIterator[tuple[str, float]]:
         """Unsettled rollout ids, oldest first, with the time they entered the index, a page at a time (an
         id settled meanwhile may shift the pages: it is seen on the next scan)."""
@@ -115,9 +131,29 @@ class RemoteStates:
             return None
         return {name: _text(v) if v is not None else "" for name, v in zip(("owner", "status", "callback_status"), values)}
 
-    async def settle(self, rollout_id: str) -> None:
-        """Its callback was delivered: nothing left to do after a restart."""
-        await self.redis.zrem(keys.REMOTE_OPEN, rollout_id)
+    async def settle(self, rollout_id: str, ttl_s: float) -> None:
+        """Its callback was delivered (or finally refused): nothing is left to do after a restart, and the
+        state expires `ttl_s` from now. (Two keys, so no MULTI: a crash in between leaves the id open, and the
+        scan settles it again.)"""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.pexpire(keys.remote(rollout_id), max(1, int(ttl_s * 1000)))
+            pipe.zrem(keys.REMOTE_OPEN, rollout_id)
+            await pipe.execute()
+
+    async def prune_index(self, older_than: float, page: int = 500) -> int:
+        """Drop index entries that entered before `older_than` and whose state has expired; returns how many."""
+        ids = [_text(x) for x in await self.redis.zrangebyscore(keys.REMOTE_INDEX, "-inf", older_than, start=0,
+                                                                  num=page)]
+        if not ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rollout_id in ids:
+                pipe.exists(keys.remote(rollout_id))
+            alive = await pipe.execute()
+        gone = [rollout_id for rollout_id, exists in zip(ids, alive) if not exists]
+        if gone:
+            await self.redis.zrem(keys.REMOTE_INDEX, *gone)
+        return len(gone)
 
     async def heartbeat(self, owner: str, ttl_s: float, info: str) -> None:
         await self.redis.set(keys.remote_owner(owner), info, px=max(1, int(ttl_s * 1000)))
@@ -153,6 +189,9 @@ def public_view(raw: dict[str, str]) -> dict[str, Any]:
         "reward": number("reward"),
         "counts": {"engine_calls": int(raw.get("calls") or 0), "turns": int(raw.get("turns") or 0),
                    "messages": len(callback["messages"]) if callback else len(request.get("messages") or [])},
+        "mask": {"counted_calls": int(raw.get("mask_counted") or 0), "drift_calls": int(raw.get("drift_calls") or 0),
+                 "drift_tokens": int(raw.get("drift_tokens") or 0),
+                 "first_drift": orjson.loads(raw["drift_first"]) if raw.get("drift_first") else None},
         "callback": {
             "status": raw.get("callback_status") or "none",
             "delivered": raw.get("callback_status") == "delivered",

@@ -1,13 +1,20 @@
 """A trainer-hosted model endpoint for tests of the remote-rollout protocol, recording what it receives.
 
-It behaves like a trainer that keeps tokens on its own side: per `rollout_id` it holds the first prompt's
-ids, then `response_ids` / `response_mask`. On each `/v1/chat/completions` call after the first it checks
-the received `response_mask` (all zeros, and as many as its own count of the tokens the rendered history
-gained since its last prompt and the model's last output), appends those tokens with mask 0, generates from
-its own token list through a TestEngine's token-in/token-out `/generate`, and appends the sampled ids with
-mask 1. `/v1/rollout/completed` records completion callbacks, deduplicated by `Idempotency-Key`, and can be
-told to fail its next attempts with HTTP 500 or by dropping the connection. What it recorded is available in
-Python and at `GET /_recorded/{rollout_id}`.
+It behaves like a trainer that keeps tokens on its own side, as the protocol's guide describes: per
+`rollout_id` it holds the first prompt's ids, then `response_ids` / `response_mask`. Every call's `messages`
+and `tools` are rendered with the chat template of its tokenizer (the real Qwen2.5 tool template by default).
+On each call after the first it computes the guide's count itself,
+
+    n = len(render(messages)) - last_prompt_length,  last_prompt_length = previous render length + len(token_ids)
+
+checks the received `response_mask` against it (n zeros), appends the render's last n tokens with mask 0,
+generates from its own token list through a TestEngine's token-in/token-out `/generate`, appends the sampled
+ids with mask 1 and answers with `token_ids` and `prompt_token_ids`, like a real server. It also records, for
+comparison only, the tokens that follow the previous reply as re-rendered (`tail_ids`): they differ from the
+n it appends exactly where the template re-renders the reply differently from the model's ids (drift).
+`/v1/rollout/completed` records completion callbacks, deduplicated by `Idempotency-Key`, and can be told to
+fail its next attempts with HTTP 500 or by dropping the connection. What it recorded is available in Python
+and at `GET /_recorded/{rollout_id}`.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import orjson
 from aiohttp import web
 
 from rollout_buffer.chat_format import parse_assistant_text
-from rollout_buffer.remote.token_fix import end_of_turn_id
+from rollout_buffer.remote.mask import end_of_turn_id
 from rollout_buffer.testing.engine import TestEngine
 from rollout_buffer.testing.engine.running import background_loop
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
@@ -40,8 +47,10 @@ class CallRecord:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     response_mask: list[int] | None  # as received; None when absent
-    expected_new_tokens: int | None  # the trainer's own count (None on the first call)
+    expected_new_tokens: int | None  # the trainer's own count by the guide's formula (None on the first call)
+    rendered_ids: list[int]  # the chat template's rendering of the received messages and tools
     new_token_ids: list[int]  # the non-model tokens appended with mask 0
+    tail_ids: list[int] | None  # what follows the previous reply as re-rendered (None: not found, or first call)
     prompt_ids: list[int]  # the trainer's whole token list the model generated from
     output_ids: list[int]
     finish_reason: str
@@ -58,6 +67,7 @@ class Session:
     response_mask: list[int] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    last_prompt_length: int = 0  # previous render length + len(previous token_ids), as the guide defines it
     last_prompt_text: str = ""
     last_closed: bool = True
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -67,7 +77,7 @@ class Session:
 class CallbackAttempt:
     rollout_id: str | None
     idempotency_key: str | None
-    outcome: str  # accepted | duplicate | fail_500 | dropped | bad_request
+    outcome: str  # accepted | duplicate | fail_500 | dropped | refused | bad_request
     body: dict[str, Any] | None
     at: float
 
@@ -78,17 +88,21 @@ class RecordingTrainer:
     __test__ = False
 
     def __init__(self, *, engine_url: str, tokenizer: Any, strict: bool = True,
-                 default_max_tokens: int = 512) -> None:
+                 default_max_tokens: int = 512, token_ids_at: str = "top") -> None:
+        if token_ids_at not in ("top", "choice"):
+            raise ValueError("token_ids_at must be 'top' (the guide's shape) or 'choice' (vLLM / SGLang's)")
         self.engine_url = engine_url.rstrip("/")
         self.tokenizer = tokenizer
         self.eot = end_of_turn_id(tokenizer)
         self.eot_text = tokenizer.convert_ids_to_tokens(self.eot)
         self.strict = strict
         self.default_max_tokens = default_max_tokens
+        self.token_ids_at = token_ids_at
         self.sessions: dict[str, Session] = {}
         self.callback_attempts: list[CallbackAttempt] = []
         self.completions: dict[str, dict[str, Any]] = {}  # rollout_id -> first accepted callback body
         self._unchecked: set[str] = set()
+        self._without_ids: set[str] = set()
         self._fail: list[str] = []  # queued failure modes for the next callback attempts
         self._cond = threading.Condition()
         self._runner: web.AppRunner | None = None
@@ -99,9 +113,9 @@ class RecordingTrainer:
 
     def fail_callbacks(self, count: int, mode: str = "500") -> None:
         """Fail `count` more callback attempts (queued after earlier ones): "500" answers HTTP 500, "drop"
-        closes the connection without an answer."""
-        if mode not in ("500", "drop"):
-            raise ValueError("mode must be '500' or 'drop'")
+        closes the connection without an answer, "400" refuses the body with HTTP 400."""
+        if mode not in ("500", "drop", "400"):
+            raise ValueError("mode must be '500', 'drop' or '400'")
         with self._cond:
             self._fail.extend([mode] * count)
 
@@ -113,6 +127,11 @@ class RecordingTrainer:
         """Accept any response_mask for this rollout (for tasks that send an explicit mask)."""
         with self._cond:
             self._unchecked.add(rollout_id)
+
+    def omit_token_ids(self, rollout_id: str) -> None:
+        """Answer this rollout's calls without token_ids, like a server that does not return them."""
+        with self._cond:
+            self._without_ids.add(rollout_id)
 
     def wait_for_completion(self, rollout_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
         """The accepted callback body of `rollout_id`; raises TimeoutError when none arrives in time."""
@@ -193,7 +212,7 @@ class RecordingTrainer:
         with self._cond:
             mode = self._fail.pop(0) if self._fail else None
             if mode is not None:
-                outcome = "fail_500" if mode == "500" else "dropped"
+                outcome = {"500": "fail_500", "drop": "dropped", "400": "refused"}[mode]
             elif not isinstance(body, dict) or not isinstance(rollout_id, str) or not rollout_id or key != rollout_id:
                 outcome = "bad_request"
             else:
@@ -207,6 +226,8 @@ class RecordingTrainer:
             raise asyncio.CancelledError
         if outcome == "fail_500":
             return self._json({"error": "injected callback failure"}, 500)
+        if outcome == "refused":
+            return self._json({"error": "injected callback refusal"}, 400)
         if outcome == "bad_request":
             return self._json({"error": "callback needs a JSON body with rollout_id and a matching "
                                         "Idempotency-Key header"}, 400)
@@ -221,16 +242,24 @@ class RecordingTrainer:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    def _new_tokens(self, session: Session, text: str) -> list[int] | str:
-        """The tokens the history gained since the last prompt and the model's last output, counted in text
-        (the previous prompt text, then up to its end-of-turn marker); or why they cannot be counted."""
+    def _tail(self, session: Session, text: str) -> list[int] | None:
+        """What follows the previous reply as the template re-renders it (found in text: the previous prompt,
+        then up to the reply's end-of-turn marker); None when the new text does not extend the previous one."""
         if not text.startswith(session.last_prompt_text):
-            return "the new prompt does not extend the previous prompt"
+            return None
         at = text.find(self.eot_text, len(session.last_prompt_text))
         if at < 0:
-            return "no end-of-turn marker after the previous prompt"
-        start = at + len(self.eot_text) if session.last_closed else at
-        return self._encode(text[start:])
+            return None
+        return self._encode(text[at + len(self.eot_text) if session.last_closed else at:])
+
+    def _mask_problem(self, mask: Any, expected: int) -> str | None:
+        if expected < 0:
+            return f"the guide's count is negative ({expected}): the render is shorter than the tokens held"
+        if not isinstance(mask, list) or any(x != 0 for x in mask):
+            return f"a later call needs response_mask = [0] * n, got {str(mask)[:80]}"
+        if len(mask) != expected:
+            return f"response_mask has {len(mask)} zeros but the guide's count is {expected}"
+        return None
 
     async def _chat(self, request: web.Request) -> web.Response:
         try:
@@ -251,30 +280,23 @@ class RecordingTrainer:
                 return self._json(session.answers[call_index])
             unchecked = rollout_id in self._unchecked
         text = self._render(messages, tools)
+        rendered = self._encode(text)
         first = not session.calls
         expected: int | None = None
+        tail: list[int] | None = None
         if first:
             new_ids: list[int] = []
             problem = "the first call must not carry a response_mask" if mask is not None else None
-            prompt = self._encode(text)
+            prompt = rendered
         else:
-            counted = self._new_tokens(session, text)
-            problem = None
-            if not isinstance(mask, list) or any(x != 0 for x in mask):
-                problem = f"a later call needs response_mask = [0] * n, got {str(mask)[:80]}"
-            elif isinstance(counted, str):
-                problem = counted
-            else:
-                expected = len(counted)
-                if len(mask) != expected:
-                    problem = f"response_mask has {len(mask)} zeros but the history gained {expected} tokens"
+            expected = len(rendered) - session.last_prompt_length
+            tail = self._tail(session, text)
+            problem = self._mask_problem(mask, expected)
             if problem is not None and unchecked and isinstance(mask, list):
                 problem = None
-            if isinstance(counted, list) and isinstance(mask, list) and len(mask) == len(counted):
-                new_ids = counted
-            else:  # trust the mask's length: the last n tokens of our rendering
-                all_ids = self._encode(text)
-                new_ids = all_ids[len(all_ids) - len(mask):] if isinstance(mask, list) and mask else []
+            # The render's last n tokens (n: the guide's count, or an unchecked mask's length).
+            take = len(mask) if unchecked and isinstance(mask, list) else max(expected, 0)
+            new_ids = rendered[len(rendered) - take:] if take else []
             prompt = [*session.prompt_ids, *session.response_ids, *new_ids]
         if problem is not None:
             with self._cond:
@@ -287,7 +309,9 @@ class RecordingTrainer:
             return self._json({"error": {"message": f"generation failed: {exc}"}}, 503)
         message = parse_assistant_text(text_out, id_prefix=f"call_{uuid.uuid4().hex[:8]}")
         finish_reason = "tool_calls" if finish == "stop" and message.get("tool_calls") else finish
-        answer = self._answer(body, message, finish_reason, prompt, output_ids, logprobs)
+        with self._cond:
+            with_ids = rollout_id not in self._without_ids
+        answer = self._answer(body, message, finish_reason, prompt, output_ids, logprobs, with_ids)
         with self._cond:
             if first:
                 session.prompt_ids = prompt
@@ -296,10 +320,11 @@ class RecordingTrainer:
                 session.response_mask.extend([0] * len(new_ids))
             session.response_ids.extend(output_ids)
             session.response_mask.extend([1] * len(output_ids))
+            session.last_prompt_length = len(rendered) + len(output_ids)
             session.last_prompt_text = text
             session.last_closed = bool(output_ids) and output_ids[-1] == self.eot
-            session.calls.append(CallRecord(call_index, messages, tools, mask, expected, new_ids, prompt,
-                                            output_ids, finish_reason))
+            session.calls.append(CallRecord(call_index, messages, tools, mask, expected, rendered, new_ids, tail,
+                                            prompt, output_ids, finish_reason))
             if isinstance(call_index, int):
                 session.answers[call_index] = answer
             self._cond.notify_all()
@@ -325,7 +350,7 @@ class RecordingTrainer:
         return output_ids, logprobs, answer["text"], finish
 
     def _answer(self, body: dict[str, Any], message: dict[str, Any], finish: str, prompt: list[int],
-                output_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+                output_ids: list[int], logprobs: list[float], with_ids: bool) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         if body.get("logprobs"):
             choice["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(output_ids, logprobs)]}
@@ -334,15 +359,15 @@ class RecordingTrainer:
                                   "choices": [choice],
                                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output_ids),
                                             "total_tokens": len(prompt) + len(output_ids)}}
-        if body.get("return_token_ids"):
+        if with_ids:  # the protocol's trainer always returns them; `token_ids_at` picks the shape
             answer["prompt_token_ids"] = prompt
-            choice["token_ids"] = output_ids
+            (answer if self.token_ids_at == "top" else choice)["token_ids"] = output_ids
         return answer
 
 
 @contextlib.contextmanager
 def run_recording_trainer_in_thread(*, engine_url: str | None = None, template: str = "qwen2.5",
-                                    tokenizer: Any | None = None, strict: bool = True,
+                                    tokenizer: Any | None = None, strict: bool = True, token_ids_at: str = "top",
                                     **engine_kwargs: Any) -> Iterator[RecordingTrainer]:
     """Run a RecordingTrainer (and, without `engine_url`, its own TestEngine) on a loop in a daemon thread."""
     tokenizer = tokenizer if tokenizer is not None else load_qwen_tokenizer(template)
@@ -354,7 +379,7 @@ def run_recording_trainer_in_thread(*, engine_url: str | None = None, template: 
         if url is None:
             engine = TestEngine(template=template, tokenizer=tokenizer, **engine_kwargs)
             url = await engine.start()
-        trainer = RecordingTrainer(engine_url=url, tokenizer=tokenizer, strict=strict)
+        trainer = RecordingTrainer(engine_url=url, tokenizer=tokenizer, strict=strict, token_ids_at=token_ids_at)
         await trainer.start()
         return trainer
 

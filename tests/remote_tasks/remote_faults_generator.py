@@ -5,6 +5,7 @@
 * `rewrite_with_mask`: the same rewrite, but with an explicit `engine.set_next_response_mask(...)`.
 * `sleep`: one engine call, then sleeps `metadata["sleep_s"]` seconds (to be interrupted or timed out).
 * `queue`: one engine call after waiting `metadata["sleep_s"]` seconds.
+* `follow_up`: one engine call, then a second one after a new user turn (`metadata["follow_up"]`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ async def rollout(sample: dict[str, Any], ctx: Any) -> dict[str, Any]:
             ctx.engine.set_next_response_mask([0] * int(metadata.get("mask_len", 5)))
         second = await ctx.engine.chat(rewritten, tools=sample.get("tools"))
         messages = [*rewritten, second.message]
+    if mode == "follow_up":
+        messages.append({"role": "user", "content": str(metadata.get("follow_up", "Thanks. And 2 + 2?"))})
+        second = await ctx.engine.chat(messages, tools=sample.get("tools"))
+        messages.append(second.message)
     if mode == "sleep":
         await asyncio.sleep(float(metadata.get("sleep_s", 60)))
     return {"messages": messages, "reward": 0.5}
