@@ -130,9 +130,11 @@ class EmbeddedRedis:
             "--logfile", str((self.data_dir / "redis.log").resolve()),
             "--daemonize", "no",
         ]
+        # Its own session: a Ctrl+C (SIGINT to the terminal's process group) reaches the server, whose
+        # shutdown then stops Redis cleanly, instead of killing Redis under a server still serving.
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent, start_new_session=True,
         )
         self._wait_until_answering()
 

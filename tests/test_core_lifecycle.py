@@ -205,3 +205,45 @@ def test_serve_with_the_default_relative_data_dir(tmp_path: Path) -> None:
     with ServerProcess(Path(".rollout-buffer"), cwd=tmp_path, env=env) as server:
         assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     assert (tmp_path / ".rollout-buffer" / "rollout-buffer.aof").exists()
+
+
+def test_ctrl_c_stops_the_server_before_its_embedded_redis(tmp_path: Path) -> None:
+    """A terminal's Ctrl+C signals the whole foreground process group: the server shuts down cleanly and
+    stops its redis-server itself (which is in a session of its own), with nothing logged as lost."""
+    import os
+    import time
+
+    from tests.helpers import free_port
+
+    port, data_dir = free_port(), tmp_path / "data"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rollout_buffer.cli", "serve", "--port", str(port),
+                                 "--data-dir", str(data_dir), "--task-dir", TASKS], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        redis_pid = int((data_dir / "redis.pid").read_text())
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl+C
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = log_path.read_text()
+    assert "Traceback" not in output and "lost Redis" not in output and "WARNING" not in output, output
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(redis_pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "redis-server outlived the server"
+        time.sleep(0.05)
