@@ -158,3 +158,19 @@ async def redis_store(tmp_path: Path) -> AsyncIterator[Store]:
     finally:
         await store.close()
         embedded.stop()
+
+
+@pytest.fixture()
+def logged_metrics(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The `rollout/` metrics each trainer step logs (`generate_rollout` returns them to slime too)."""
+    import slime_adapter.agent_rollout as agent_rollout
+
+    seen: list[dict[str, Any]] = []
+    real = agent_rollout.log_raw_info
+
+    def capture(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(agent_rollout, "log_raw_info", capture)
+    return seen

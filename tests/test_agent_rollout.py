@@ -17,7 +17,6 @@ import httpx
 import pytest
 from aiohttp import web
 
-import slime_adapter.agent_rollout as agent_rollout
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from slime_adapter.agent_rollout import (
     GroupSizeMismatchError,
@@ -236,20 +235,6 @@ def forked_record(tok: Any, instance_id: str, reward: float) -> dict[str, Any]:
     record["turns"] = [first, {"prompt_ids": drifted, "output_ids": out, "output_logprobs": [-0.25] * len(out),
                                "finish_reason": "stop", "weight_version": "3"}]
     return record
-
-
-@pytest.fixture()
-def logged_metrics(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """The `rollout/` metrics each step logs."""
-    seen: list[dict[str, Any]] = []
-    real = agent_rollout.log_raw_info
-
-    def capture(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(agent_rollout, "log_raw_info", capture)
-    return seen
 
 
 def test_forked_record_keeps_the_group_size_slime_asserts(tiny_server: Any, input_file: Path, qwen_tokenizer: Any,

@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 
-import slime_adapter.agent_rollout as agent_rollout
 from slime_adapter.agent_rollout import generate_rollout, reset_state
 from tests.helpers import ServerProcess, make_record, write_jsonl
 from tests.test_agent_rollout import slime_args, write_all
@@ -30,19 +29,6 @@ def fresh_adapter() -> Iterator[None]:
 @pytest.fixture()
 def input_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "input.jsonl", [{"instance_id": f"i{i}", "prompt": f"p{i}"} for i in range(2)])
-
-
-@pytest.fixture()
-def logged_metrics(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    seen: list[dict[str, Any]] = []
-    real = agent_rollout.log_raw_info
-
-    def capture(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(agent_rollout, "log_raw_info", capture)
-    return seen
 
 
 def test_edged_and_refused_records_come_back_flagged_and_counted(
