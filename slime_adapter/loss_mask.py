@@ -37,13 +37,14 @@ template renders: text that does not parse as its structure (template control to
 text), a rendering that raises (a role the template rejects), a failed check. The sample builder never
 lets that out: `slime_adapter.message_path` turns it into a refused, zero-mask sample.
 
-Prompt cache: the samples of one group share their prompt (system text, tool schemas, the task), so the
-rendering up to the first assistant block's opener is tokenized once per group, not once per record. The
-cut is made right after an added control token (`<|im_start|>`): a fast tokenizer splits its input at added
-tokens before normalizing and pre-tokenizing, so each side tokenizes exactly as inside the whole text. The
-cut is only used where that holds (the token is added, strips no whitespace, matches as a whole and is no
-part of another added token, is matched before normalizing; special tokens are not being split as text).
-The cheap checks still run over the joined ids.
+Block cache: the rendering is cut right after every added control token it contains (`<|im_start|>`), and
+each block is tokenized once and kept (least recently used evicted): a fast tokenizer splits its input at
+added tokens before normalizing and pre-tokenizing, so the text tokenizes exactly as the concatenation of
+its blocks. Blocks repeat a lot: the samples of one group share their whole prompt, and different prompts
+share their system text and tool schemas, so only the new blocks (mostly the generated answers) are
+tokenized, in one `encode_batch` call. The cut is only used where it is exact (the token is added, strips
+no whitespace, matches as a whole and is no part of another added token, is matched before normalizing;
+special tokens are not being split as text). The cheap checks still run over the joined ids.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ __all__ = [
 ]
 
 Message = dict[str, Any]
+_Block = tuple[list[int], list[int], list[int]]  # a block's ids, and char starts and ends within it
 VerifyMode = Literal["cheap", "full", "off"]
 VERIFY_MODES: tuple[str, ...] = ("cheap", "full", "off")
 
@@ -168,7 +170,7 @@ class MultiTurnLossMaskGenerator:
         *,
         verify: bool | str = "cheap",
         chat_template_kwargs: dict[str, Any] | None = None,
-        prompt_cache_size: int = 32,
+        block_cache_size: int = 4096,
     ) -> None:
         locator_cls = locator_class(tokenizer_type)
         self.tokenizer = tokenizer
@@ -182,11 +184,11 @@ class MultiTurnLossMaskGenerator:
         self._control_ids = _added_control_ids(tokenizer, locator_cls.control_tokens())
         self._end_is_added = any(name == locator_cls.end_token for name, _ in self._control_ids)
         self._cut_tokens = _cut_tokens(tokenizer, self._control_ids)
-        #: prompts kept tokenized (0: no prompt cache); may be changed at any time
-        self.prompt_cache_size = max(0, int(prompt_cache_size))
-        # prompt text -> (ids, char starts, char ends): a few groups' prompts, least recently used evicted
-        self._prompt_cache: OrderedDict[str, tuple[list[int], list[int], list[int]]] = OrderedDict()
-        self._prompt_lock = threading.Lock()
+        #: rendered blocks kept tokenized (0: no cache, every text tokenized whole); may be changed any time
+        self.block_cache_size = max(0, int(block_cache_size))
+        # block text -> (ids, char starts, char ends) relative to the block; least recently used evicted
+        self._block_cache: OrderedDict[str, _Block] = OrderedDict()
+        self._block_lock = threading.Lock()
 
     def prepare_messages(self, messages: Sequence[Message]) -> list[Message]:
         """The messages as the serving engine hands them to the template (see the locator's
@@ -227,54 +229,68 @@ class MultiTurnLossMaskGenerator:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
-    def _prompt_cut(self, text: str, first_span_start: int) -> int:
-        """Where the cached prompt ends: right after the last cut token before the first generated span;
-        0 when the cache cannot be used exactly."""
-        if not self._cut_tokens or self.prompt_cache_size <= 0:
-            return 0
+    def _block_bounds(self, text: str) -> list[int]:
+        """Offsets right after each cut token in `text` (see the module docstring); none when the block
+        cache is off or cannot be exact."""
+        if not self._cut_tokens or self.block_cache_size <= 0:
+            return []
         if getattr(self.tokenizer, "split_special_tokens", False):
-            return 0
-        cut = 0
+            return []
+        bounds: set[int] = set()
         for name in self._cut_tokens:
-            at = text.rfind(name, 0, first_span_start)
-            if at >= 0:
-                cut = max(cut, at + len(name))
-        return cut
+            at = text.find(name)
+            while at >= 0:
+                end = at + len(name)
+                if end < len(text):
+                    bounds.add(end)
+                at = text.find(name, end)
+        return sorted(bounds)
 
-    def clear_prompt_cache(self) -> None:
-        """Forget cached prompt tokenizations (benchmarks start cold)."""
-        with self._prompt_lock:
-            self._prompt_cache.clear()
+    def clear_block_cache(self) -> None:
+        """Forget cached block tokenizations (benchmarks start cold)."""
+        with self._block_lock:
+            self._block_cache.clear()
 
-    def _prompt_tokens(self, prompt: str) -> tuple[list[int], list[int], list[int]]:
-        with self._prompt_lock:
-            hit = self._prompt_cache.get(prompt)
-            if hit is not None:
-                self._prompt_cache.move_to_end(prompt)
-                return hit
-        encoding = self._backend.encode(prompt, add_special_tokens=False)
-        entry = (encoding.ids, [o[0] for o in encoding.offsets], [o[1] for o in encoding.offsets])
-        with self._prompt_lock:
-            self._prompt_cache[prompt] = entry
-            while len(self._prompt_cache) > self.prompt_cache_size:
-                self._prompt_cache.popitem(last=False)
-        return entry
+    def _tokenize_blocks(self, blocks: list[str]) -> list[_Block]:
+        """Each block's tokens, from the cache where it can; the rest in one batch call, then kept."""
+        with self._block_lock:
+            found: list[_Block | None] = []
+            for block in blocks:
+                hit = self._block_cache.get(block)
+                if hit is not None:
+                    self._block_cache.move_to_end(block)
+                found.append(hit)
+        missing = list(dict.fromkeys(block for block, entry in zip(blocks, found) if entry is None))
+        if missing:
+            made: dict[str, _Block] = {}
+            for block, encoding in zip(missing, self._backend.encode_batch(missing, add_special_tokens=False)):
+                offsets = encoding.offsets
+                made[block] = (encoding.ids, [o[0] for o in offsets], [o[1] for o in offsets])
+            found = [made[block] if entry is None else entry for block, entry in zip(blocks, found)]
+            with self._block_lock:
+                self._block_cache.update(made)
+                while len(self._block_cache) > self.block_cache_size:
+                    self._block_cache.popitem(last=False)
+        return found  # type: ignore[return-value]
 
-    def _tokenize_with_prompt_cache(self, text: str, spans: Sequence[CharSpan]
-                                    ) -> tuple[list[int], list[int], list[int]]:
-        """`(ids, starts, ends)` of `text`; the prompt part comes from the cache when it can."""
-        backend_ok = self._backend_matches_call()
-        cut = self._prompt_cut(text, spans[0].start) if spans and backend_ok else 0
-        if cut:
-            prompt_ids, prompt_starts, prompt_ends = self._prompt_tokens(text[:cut])
-            rest = self._backend.encode(text[cut:], add_special_tokens=False)
-            offsets = rest.offsets
-            return (prompt_ids + rest.ids, prompt_starts + [o[0] + cut for o in offsets],
-                    prompt_ends + [o[1] + cut for o in offsets])
-        ids, offsets = self.tokenize(text)
-        if len(offsets) != len(ids):
-            raise LossMaskError(f"{len(ids)} ids but {len(offsets)} offsets")
-        return ids, [o[0] for o in offsets], [o[1] for o in offsets]
+    def _tokenize_cached(self, text: str) -> tuple[list[int], list[int], list[int]]:
+        """`(ids, starts, ends)` of `text`, block by block through the block cache where that is exact."""
+        bounds = self._block_bounds(text) if self._backend_matches_call() else []
+        if not bounds:
+            ids, offsets = self.tokenize(text)
+            if len(offsets) != len(ids):
+                raise LossMaskError(f"{len(ids)} ids but {len(offsets)} offsets")
+            return ids, [o[0] for o in offsets], [o[1] for o in offsets]
+        edges = [0, *bounds, len(text)]
+        blocks = [text[a:b] for a, b in zip(edges, edges[1:])]
+        ids: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        for base, (block_ids, block_starts, block_ends) in zip(edges, self._tokenize_blocks(blocks)):
+            ids += block_ids
+            starts += [x + base for x in block_starts] if base else block_starts
+            ends += [x + base for x in block_ends] if base else block_ends
+        return ids, starts, ends
 
     def _decode(self, pieces: list[list[int]]) -> list[str]:
         if self._backend is not None and hasattr(self._backend, "decode"):
@@ -315,7 +331,7 @@ class MultiTurnLossMaskGenerator:
         prepared = self.prepare_messages(messages)
         text = self.render(prepared, tools)
         spans = self.locator.locate(text, prepared)
-        ids, starts, ends = self._tokenize_with_prompt_cache(text, spans)
+        ids, starts, ends = self._tokenize_cached(text)
         if is_sorted(starts) and is_sorted(ends):
             tokens = token_ranges(starts, ends, spans)
         else:  # overlapping offsets: the general token-by-token mapping

@@ -6,6 +6,7 @@ refusals and `step_loss_mask` in `test_message_path.py`."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -308,12 +309,27 @@ def test_cheap_full_and_uncached_agree_with_the_chat_template(
     messages, tools = CORPUS[case]
     reference = _reference_ids(tok, messages, tools)
     full = MultiTurnLossMaskGenerator(tok, kind, verify="full").get_loss_mask(messages, tools)
-    uncached = MultiTurnLossMaskGenerator(tok, kind, prompt_cache_size=0).get_loss_mask(messages, tools)
+    uncached = MultiTurnLossMaskGenerator(tok, kind, block_cache_size=0).get_loss_mask(messages, tools)
     cached = MultiTurnLossMaskGenerator(tok, kind)
     first = cached.get_loss_mask(messages, tools)
-    again = cached.get_loss_mask(messages, tools)  # the prompt now comes from the cache
+    again = cached.get_loss_mask(messages, tools)  # every block now comes from the cache
     assert full[0] == reference
     assert full == uncached == first == again
+
+
+class _CountingBackend:
+    """The Rust backend, recording every text it is asked to tokenize in batches."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.encoded: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+        self.encoded.extend(texts)
+        return self.real.encode_batch(texts, **kwargs)
 
 
 @pytest.mark.parametrize("fixture,kind", ALL_TEMPLATES)
@@ -324,20 +340,41 @@ def test_a_group_sharing_its_prompt_tokenizes_the_prompt_once(
     prompt = [SYSTEM, USER]
     answers = ["84, and Goethe.", "It is 84; Faust is by Goethe.", "84 — Johann Wolfgang von Goethe."]
     gen = MultiTurnLossMaskGenerator(tok, kind, verify="full")
+    gen._backend = counting = _CountingBackend(gen._backend)
     for answer in answers:  # verify="full" compares every result with apply_chat_template
         ids, mask = gen.get_loss_mask([*prompt, {"role": "assistant", "content": answer}])
         assert answer in gen.get_text_from_loss_mask(ids, mask)[0]
-    assert len(gen._prompt_cache) == 1, "one prompt, tokenized once"
-    gen.clear_prompt_cache()
-    assert not gen._prompt_cache
+    encoded = Counter(counting.encoded)
+    assert set(encoded.values()) == {1}, "no block tokenized twice"
+    assert sum(any(a in block for a in answers) for block in encoded) == len(answers), "one new block per answer"
+    assert len(gen._block_cache) == len(encoded)
+    gen.clear_block_cache()
+    assert not gen._block_cache
 
 
-def test_prompt_cache_is_bounded_and_keeps_the_recent_prompts(qwen_tokenizer: Any) -> None:
-    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", prompt_cache_size=2)
+def test_block_cache_is_bounded_and_keeps_the_recent_blocks(qwen_tokenizer: Any) -> None:
+    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", block_cache_size=2)
     for i in range(5):
         gen.get_loss_mask([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "ok"}])
-    assert len(gen._prompt_cache) == 2
-    assert all("question 3" in p or "question 4" in p for p in gen._prompt_cache)
+    assert len(gen._block_cache) == 2
+    assert not any(f"question {i}" in block for i in range(5) for block in gen._block_cache), \
+        "the least recently used blocks went first: each question's block was used once"
+    assert "assistant\nok<|im_end|>" in gen._block_cache, "the block every conversation shares stays"
+
+
+def test_different_prompts_share_their_system_and_tool_blocks(qwen_tokenizer: Any) -> None:
+    """Prompts that differ only in the question still share the system block with its tool schemas."""
+    messages, tools = CORPUS["tools_consecutive_tool_messages"]
+    gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", verify="full")
+    gen._backend = counting = _CountingBackend(gen._backend)
+    for i in range(3):
+        changed = [dict(m) for m in messages]
+        user = next(m for m in changed if m["role"] == "user")
+        user["content"] = f"{user['content']} (variant {i})"
+        gen.get_loss_mask(changed, tools)
+    assert set(Counter(counting.encoded).values()) == {1}
+    system_blocks = [b for b in counting.encoded if "<tools>" in b]
+    assert len(system_blocks) == 1, "the system block with the tool schemas is tokenized once"
 
 
 def test_verify_modes() -> None:
@@ -351,13 +388,13 @@ def test_verify_modes() -> None:
 
 def _corrupting(gen: MultiTurnLossMaskGenerator, change: Any) -> MultiTurnLossMaskGenerator:
     """`gen` whose tokenization is altered by `change(ids)` (a bug the checks must catch)."""
-    real = gen._tokenize_with_prompt_cache
+    real = gen._tokenize_cached
 
-    def tokenize(text: str, spans: Any) -> Any:
-        ids, starts, ends = real(text, spans)
+    def tokenize(text: str) -> Any:
+        ids, starts, ends = real(text)
         return change(list(ids)), starts, ends
 
-    gen._tokenize_with_prompt_cache = tokenize  # type: ignore[method-assign]
+    gen._tokenize_cached = tokenize  # type: ignore[method-assign]
     return gen
 
 
@@ -408,7 +445,7 @@ def test_split_special_tokens_is_refused_by_the_cheap_check(qwen_tokenizer: Any)
     with pytest.raises(LossMaskError, match=r"occurs 3 time\(s\) in the rendered text but its id \d+ 0 time"):
         MultiTurnLossMaskGenerator(tok, "qwen").get_loss_mask(messages)
     gen = MultiTurnLossMaskGenerator(tok, "qwen")
-    assert gen._prompt_cut(gen.render(messages), 10) == 0, "no prompt cache when special tokens are text"
+    assert gen._block_bounds(gen.render(messages)) == [], "no block cache when special tokens are text"
 
 
 def test_backend_in_another_state_goes_through_the_tokenizer_call(qwen_tokenizer: Any) -> None:
@@ -475,13 +512,13 @@ def test_overlapping_offsets_fall_back_to_the_token_by_token_mapping(qwen_tokeni
     gen = MultiTurnLossMaskGenerator(qwen_tokenizer, "qwen", verify="full")
     messages, _ = CORPUS["unicode"]
     expected = gen.get_loss_mask(messages)
-    real = gen._tokenize_with_prompt_cache
+    real = gen._tokenize_cached
 
-    def unsorted(text: str, spans: Any) -> Any:
-        ids, starts, ends = real(text, spans)
+    def unsorted(text: str) -> Any:
+        ids, starts, ends = real(text)
         return ids, [starts[1], starts[0], *starts[2:]], [ends[1], ends[0], *ends[2:]]
 
-    gen._tokenize_with_prompt_cache = unsorted  # type: ignore[method-assign]
+    gen._tokenize_cached = unsorted  # type: ignore[method-assign]
     assert gen.get_loss_mask(messages) == expected
 
 
