@@ -1,5 +1,7 @@
 """Read cost vs backlog: `/get_rollout_data` latency for 128 ready groups x 8, with few and with 100x
-more incomplete groups pending. Both measured in the same run against the same server; prints the ratio.
+more incomplete groups pending. Both measured in the same run against the same server, the trials of the
+two backlogs alternating (few, many, few, many, ...) so order and warm-up cannot favour either; the ratio
+is of the medians.
 
 The server is a real `rollout-buffer serve` process on the embedded Redis. Incomplete groups are written
 straight into its Redis through the same store code the API uses (fast to set up); the timed reads go
@@ -40,31 +42,34 @@ async def _write_many(store: Store, run_id: str, records: list[dict[str, Any]], 
         await asyncio.gather(*(store.write_record(run_id, r) for r in records[start:start + concurrency]))
 
 
-async def _measure(store: Store, client: httpx.AsyncClient, run_id: str, pending: int, trials: int) -> list[float]:
-    await _write_many(store, run_id, [_record(f"pending-{i}", f"p-{i}") for i in range(pending)])
-    timings: list[float] = []
-    for trial in range(trials):
-        ready = [_record(f"t{trial}-g{g}", f"t{trial}-g{g}-{m}") for g in range(GROUPS) for m in range(GROUP_SIZE)]
-        await _write_many(store, run_id, ready)
-        started = time.perf_counter()
-        answer = (await client.post("/get_rollout_data", json={"run_id": run_id})).json()
-        timings.append(time.perf_counter() - started)
-        assert len(answer["data"]["data"]) == GROUPS * GROUP_SIZE, answer["message"]
-    return timings
+async def _trial(store: Store, client: httpx.AsyncClient, run_id: str, tag: str) -> float:
+    ready = [_record(f"{tag}-g{g}", f"{tag}-g{g}-{m}") for g in range(GROUPS) for m in range(GROUP_SIZE)]
+    await _write_many(store, run_id, ready)
+    started = time.perf_counter()
+    answer = (await client.post("/get_rollout_data", json={"run_id": run_id})).json()
+    elapsed = time.perf_counter() - started
+    assert len(answer["data"]["data"]) == GROUPS * GROUP_SIZE, answer["message"]
+    return elapsed
 
 
 async def _run_async(url: str, redis_url: str, input_file: Path, few: int, many: int, trials: int) -> dict[str, Any]:
     store = Store.from_url(redis_url)
-    results: dict[str, Any] = {}
+    backlogs = {"few": few, "many": many}
+    runs: dict[str, str] = {}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        for label, pending in (("few", few), ("many", many)):
+        for label, pending in backlogs.items():
             run = await client.post("/start_rollout", json={
                 "task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": GROUP_SIZE,
                 "run_id": f"bench-read-{label}-{int(time.time() * 1000)}"})
-            run_id = run.json()["run_id"]
-            timings = await _measure(store, client, run_id, pending, trials)
-            results[label] = {"pending_groups": pending, "median_s": statistics.median(timings), "timings_s": timings}
+            runs[label] = run.json()["run_id"]
+            await _write_many(store, runs[label], [_record(f"pending-{i}", f"p-{i}") for i in range(pending)])
+        timings: dict[str, list[float]] = {"few": [], "many": []}
+        for trial in range(trials):
+            for label in ("few", "many"):
+                timings[label].append(await _trial(store, client, runs[label], f"t{trial}"))
     await store.close()
+    results: dict[str, Any] = {label: {"pending_groups": backlogs[label], "median_s": statistics.median(t),
+                                       "timings_s": t} for label, t in timings.items()}
     results["ratio"] = results["many"]["median_s"] / results["few"]["median_s"]
     return results
 
@@ -73,7 +78,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     """Returns {few, many, ratio}; `quick` keeps the 100x backlog ratio at a smaller size."""
     from tests.helpers import ServerProcess, write_jsonl
 
-    few, many, trials = (1_000, 100_000, 5) if not quick else (500, 50_000, 3)
+    few, many, trials = (1_000, 100_000, 7) if not quick else (500, 50_000, 5)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         input_file = write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "x"}])

@@ -126,3 +126,10 @@ async def bench_parse_only(request: Request) -> Any:
     """Benchmark baseline (`--bench-routes`): the same body parsing as /buffer/write, and nothing else."""
     record = await parse_body(request, TrajectoryRecord)
     return {"success": True, "message": "parsed", "data": {"uid": record.uid}}
+
+
+@bench_router.post("/_bench/read_only")
+async def bench_read_only(request: Request) -> Any:
+    """Benchmark baseline (`--bench-routes`): the HTTP limit of this stack: read the body, parse nothing."""
+    body = await request.body()
+    return {"success": True, "message": "read", "data": {"bytes": len(body)}}
