@@ -7,6 +7,7 @@ with `parse_body` and declare their schema with `json_body` so `/docs` still sho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -15,13 +16,19 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 
 Model = TypeVar("Model", bound=BaseModel)
+T = TypeVar("T")
 _DOCUMENTED: dict[str, type[BaseModel]] = {}
 
 
 async def parse_body(request: Request, model: type[Model]) -> Model:
     """Validate the raw body as `model`; failures become the app's uniform 4xx answer."""
+    return await parse_body_with(request, model.model_validate_json)
+
+
+async def parse_body_with(request: Request, parse: Callable[[bytes], T]) -> T:
+    """Run `parse` on the raw body; its pydantic `ValidationError` becomes the app's uniform 4xx answer."""
     try:
-        return model.model_validate_json(await request.body())
+        return parse(await request.body())
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
 

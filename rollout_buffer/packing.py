@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from rollout_buffer.schema import TOKEN_ID_MAX
+
 MAGIC = b"RB1"
 _HEADER_LEN = struct.Struct("<I")
 _SWAP = sys.byteorder != "little"
@@ -29,12 +31,6 @@ _TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "finish_reason", 
 
 class PackingError(ValueError):
     pass
-
-
-def _le(values: array) -> bytes:  # type: ignore[type-arg]
-    if _SWAP:
-        values.byteswap()
-    return values.tobytes()
 
 
 def _from_le(kind: str, data: memoryview | bytes) -> list[Any]:
@@ -51,35 +47,50 @@ def _turn_values(turn: Any) -> tuple[Any, ...]:
     return tuple(getattr(turn, name, None) for name in _TURN_FIELDS)
 
 
+def token_array(values: Any) -> np.ndarray:
+    """Token ids as a little-endian int32 array: from a list, or from any integer array without a Python
+    object per id. Ids must lie in [0, 2^31)."""
+    ids = values if isinstance(values, np.ndarray) else np.asarray(values if len(values) else [], dtype=np.int64)
+    if ids.dtype.kind not in "iu":
+        raise PackingError(f"token ids must be integers, got {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > TOKEN_ID_MAX):
+        raise PackingError("token id out of int32 range [0, 2^31)")
+    return ids.astype("<i4", copy=False)
+
+
 def pack_record(record: dict[str, Any]) -> bytes:
-    """Serialize a validated record (`turns` as dicts or turn objects) to bytes."""
+    """Serialize a validated record (`turns` as dicts or turn objects; id and logprob sequences as lists
+    or numpy arrays) to bytes."""
     turns = record.get("turns")
     header = {k: v for k, v in record.items() if k != "turns"}
     chunks: list[bytes] = []
     if turns is not None:
         turn_meta: list[dict[str, Any]] = []
-        prefix: list[int] = []
+        prefix: np.ndarray | None = None
         for turn in turns:
-            prompt, output, logprobs, finish_reason, weight_version = _turn_values(turn)
-            extends = bool(prefix) and len(prompt) >= len(prefix) and prompt[: len(prefix)] == prefix
-            stored_prompt = prompt[len(prefix):] if extends else prompt
-            meta: dict[str, Any] = {"ext": extends, "p": len(stored_prompt), "o": len(output),
-                                    "finish_reason": finish_reason, "weight_version": weight_version}
+            prompt_values, output_values, logprobs, finish_reason, weight_version = _turn_values(turn)
             try:
-                chunks.append(_le(array("i", stored_prompt)))
-                chunks.append(_le(array("i", output)))
+                prompt, output = token_array(prompt_values), token_array(output_values)
             except OverflowError as exc:
                 raise PackingError(f"token id out of int32 range: {exc}") from exc
+            extends = (prefix is not None and len(prefix) > 0 and len(prompt) >= len(prefix)
+                       and np.array_equal(prompt[:len(prefix)], prefix))
+            stored_prompt = prompt[len(prefix):] if extends and prefix is not None else prompt
+            meta: dict[str, Any] = {"ext": extends, "p": len(stored_prompt), "o": len(output),
+                                    "finish_reason": finish_reason, "weight_version": weight_version}
+            chunks.append(stored_prompt.tobytes())
+            chunks.append(output.tobytes())
             if logprobs is None:
                 meta["lp"] = 0
             else:
                 wide = np.asarray(logprobs, dtype="<f8")
-                narrow = wide.astype("<f4")
+                with np.errstate(over="ignore"):  # a value beyond float32's range is simply kept as float64
+                    narrow = wide.astype("<f4")
                 exact = np.array_equal(narrow, wide)  # every value is a float32 value (engines' case)
                 meta["lp"] = 4 if exact else 8
                 chunks.append((narrow if exact else wide).tobytes())
             turn_meta.append(meta)
-            prefix = [*prompt, *output]
+            prefix = np.concatenate([prompt, output])
         header["_turns"] = turn_meta
     head = orjson.dumps(header)
     return b"".join([MAGIC, _HEADER_LEN.pack(len(head)), head, *chunks])

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RecordStatus = Literal["completed", "truncated", "aborted", "failed"]
+TOKEN_ID_MAX = 2**31 - 1  # ids are stored as int32
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 
 
@@ -28,6 +29,10 @@ class Turn(BaseModel):
 
     @model_validator(mode="after")
     def _logprobs_match_outputs(self) -> "Turn":
+        for name in ("prompt_ids", "output_ids"):
+            ids = getattr(self, name)
+            if ids and (min(ids) < 0 or max(ids) > TOKEN_ID_MAX):
+                raise ValueError(f"turns[].{name}: token ids must lie in [0, 2^31)")
         if self.output_logprobs is not None and len(self.output_logprobs) != len(self.output_ids):
             raise ValueError(
                 f"turns[].output_logprobs has {len(self.output_logprobs)} values for "
@@ -182,9 +187,12 @@ class AckRequest(BaseModel):
         return list(dict.fromkeys(ids))
 
 
+MAX_BATCH_RECORDS = 10_000
+
+
 class BatchWriteRequest(BaseModel):
     """Body of `/buffer/write_batch`: many records of one run in one request."""
 
-    records: list[TrajectoryRecord] = Field(min_length=1, max_length=10_000)
+    records: list[TrajectoryRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
     run_id: str | None = None
 

@@ -276,6 +276,18 @@ def test_json_batch_write_is_all_or_nothing(client: httpx.Client, input_file: Pa
     assert next(r for r in data if r["uid"] == "b0")["turns"] == records[0]["turns"]
 
 
+def _negative_id_batch(record: dict) -> bytes:
+    """A packed batch whose last output id is -4: `pack_record` refuses to write one, a hand-made body can."""
+    from rollout_buffer.packed_batch import encode_batch
+    from rollout_buffer.packing import read_header
+
+    body = encode_batch([record])
+    header, start = read_header(body[4:])
+    turn = header["_turns"][0]
+    at = 4 + start + 4 * (turn["p"] + turn["o"] - 1)
+    return body[:at] + (-4).to_bytes(4, "little", signed=True) + body[at + 4:]
+
+
 def test_packed_batch_round_trips_exactly_and_refuses_bad_records(client: httpx.Client, input_file: Path) -> None:
     from rollout_buffer.packed_batch import CONTENT_TYPE, encode_batch
 
@@ -286,7 +298,7 @@ def test_packed_batch_round_trips_exactly_and_refuses_bad_records(client: httpx.
     bad_cases = [
         (encode_batch(records[:1]) + b"\x05\x00\x00\x00RB1", "record 1"),
         (encode_batch([{**records[0], "reward": float("nan")}]), "reward"),  # orjson writes NaN as null
-        (encode_batch([{**records[0], "turns": [{**records[0]["turns"][0], "output_ids": [-4, 5]}]}]), "negative"),
+        (_negative_id_batch(records[0]), "negative"),
         (encode_batch([{**records[0], "turns": [{**records[0]["turns"][0], "output_logprobs": [float("nan"), 0.0]}]}]),
          "finite"),
         (encode_batch([{k: v for k, v in records[0].items() if k != "instance_id"}]), "instance_id"),

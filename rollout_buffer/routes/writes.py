@@ -7,9 +7,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rollout_buffer.app_state import AppState, state_of
-from rollout_buffer.bodies import json_body, parse_body
+from rollout_buffer.bodies import json_body, parse_body_with
 from rollout_buffer.http_errors import error_response
 from rollout_buffer.packed_batch import CONTENT_TYPE, PackedBatchError, decode_batch, stamped_blob
+from rollout_buffer.record_parsing import parse_batch, parse_record
 from rollout_buffer.schema import BatchWriteRequest, TrajectoryRecord
 from rollout_buffer.store import WriteOutcome
 
@@ -41,7 +42,8 @@ async def superseded_answer(state: AppState, run_id: str) -> Any:
 
 
 async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
-    record = await parse_body(request, TrajectoryRecord)
+    parsed = await parse_body_with(request, parse_record)
+    record = parsed.record
     state = state_of(request)
     if pinned_run_id is not None and record.run_id not in (None, pinned_run_id):
         return error_response(422, f"record names run {record.run_id!r}, the URL names run {pinned_run_id!r}")
@@ -49,7 +51,7 @@ async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
     if run_id is None:
         return error_response(409, "no active run: start one with POST /start_rollout "
                                    "(or give the record a run_id)")
-    outcome = await state.store.write_record(run_id, record.to_store())
+    outcome = await state.store.write_record(run_id, parsed.to_store())
     if outcome.reason == "unknown_run":  # checked inside the write script: no extra round trip
         return error_response(404, f"unknown run_id {run_id!r}")
     state.writes.labels(outcome.outcome).inc()
@@ -84,18 +86,18 @@ async def run_buffer_write(run_id: str, request: Request) -> Any:
 async def buffer_write_batch(request: Request) -> Any:
     """Store many trajectories in one request and one Redis round trip; same rules as /buffer/write.
     The whole batch is validated first: one bad record refuses the batch and stores nothing."""
-    body = await parse_body(request, BatchWriteRequest)
+    batch_run_id, parsed = await parse_body_with(request, parse_batch)
     state = state_of(request)
-    run_id = body.run_id or await state.store.active_run()
+    run_id = batch_run_id or await state.store.active_run()
     if run_id is None:
         return error_response(409, "no active run: start one with POST /start_rollout (or give run_id)")
     if not await state.store.run_exists(run_id):
         return error_response(404, f"unknown run_id {run_id!r}")
-    foreign = [r.uid for r in body.records if r.run_id not in (None, run_id)]
+    foreign = [p.record.uid for p in parsed if p.record.run_id not in (None, run_id)]
     if foreign:
         return error_response(422, f"records {foreign[:5]} name another run than {run_id!r}")
-    outcomes = await state.store.write_records(run_id, [r.to_store() for r in body.records])
-    return batch_answer(state, run_id, [r.uid for r in body.records], outcomes)
+    outcomes = await state.store.write_records(run_id, [p.to_store() for p in parsed])
+    return batch_answer(state, run_id, [p.record.uid for p in parsed], outcomes)
 
 
 @router.post("/buffer/write_packed", openapi_extra={"requestBody": {"required": True, "content": {
@@ -124,8 +126,8 @@ async def buffer_write_packed(request: Request, run_id: str | None = None) -> An
 @bench_router.post("/_bench/parse_only")
 async def bench_parse_only(request: Request) -> Any:
     """Benchmark baseline (`--bench-routes`): the same body parsing as /buffer/write, and nothing else."""
-    record = await parse_body(request, TrajectoryRecord)
-    return {"success": True, "message": "parsed", "data": {"uid": record.uid}}
+    parsed = await parse_body_with(request, parse_record)
+    return {"success": True, "message": "parsed", "data": {"uid": parsed.record.uid}}
 
 
 @bench_router.post("/_bench/read_only")
