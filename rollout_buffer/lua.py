@@ -56,6 +56,14 @@ local function delete_group(k_gsize, k_members, k_records, k_gversion, gid)
   redis.call('HDEL', k_gversion, gid)
   return n
 end
+-- records the trainer's policy version; a new one also records how many groups were consumed before it
+-- (the admission rule counts the current version's batch as not consumed yet: it is being trained on)
+local function set_version(k_meta, k_stats, version)
+  if redis.call('HGET', k_meta, 'policy_version') ~= version then
+    redis.call('HSET', k_meta, 'policy_version', version, 'consumed_before_version',
+               redis.call('HGET', k_stats, 'groups_consumed') or '0')
+  end
+end
 local function wake(k_wake)
   redis.call('RPUSH', k_wake, '1')
   redis.call('LTRIM', k_wake, -64, -1)
@@ -203,7 +211,7 @@ if bid ~= '' then
   local settled = redis.call('ZSCORE', KEYS[12], bid)
   if settled and tonumber(settled) > 0 then return {'acked', ''} end
 end
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[14], 'policy_version', ARGV[5]) end
+if ARGV[5] ~= '' then set_version(KEYS[14], KEYS[4], ARGV[5]) end
 local run = redis.call('HMGET', KEYS[14], 'policy_version', 'max_staleness', 'stale_policy', 'groups_per_read')
 local version = tonumber(run[1] or '')
 local bound = tonumber(run[2] or '')
@@ -384,12 +392,12 @@ return 1
 """
 
 
-# KEYS: 1 meta. ARGV: 1 version. Sets the trainer's policy version of a live run.
+# KEYS: 1 meta 2 stats. ARGV: 1 version. Sets the trainer's policy version of a live run.
 # Returns {1 (live) or 0, previous version or ''}.
-SET_POLICY_VERSION = """
+SET_POLICY_VERSION = _GROUP_FUNCTIONS + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'deleted' then return {0, ''} end
 local previous = redis.call('HGET', KEYS[1], 'policy_version') or ''
-redis.call('HSET', KEYS[1], 'policy_version', ARGV[1])
+set_version(KEYS[1], KEYS[2], ARGV[1])
 return {1, previous}
 """

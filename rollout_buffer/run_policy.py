@@ -101,4 +101,5 @@ class RunPolicy:
             fields["extra_groups_cap"] = self.max_extra_groups
         if self.policy_version is not None:
             fields["policy_version"] = self.policy_version
+            fields["consumed_before_version"] = 0
         return fields

@@ -104,7 +104,8 @@ class Store:
     async def set_policy_version(self, run_id: str, version: int) -> tuple[bool, int | None]:
         """Record the trainer's policy version for a live run: (the run is live, the previous version or
         None). Never re-creates the meta of a deleted run."""
-        live, previous = await self.script("SET_POLICY_VERSION", [keys.run_meta(run_id)], [version])
+        live, previous = await self.script("SET_POLICY_VERSION", [keys.run_meta(run_id), keys.stats(run_id)],
+                                           [version])
         return bool(live), None if previous in (None, b"", "") else int(previous)
 
     async def announce_run(self, run_id: str) -> None:

@@ -12,10 +12,14 @@ write the record, finish); the starts and finishes of concurrent rollouts share 
 (`batching.Coalescer`), so a busy worker pays a few round trips per batch, not three per rollout.
 
 Admission (AReaL's rule, for runs with a `max_staleness`): a task that would start a new group (or a new
-generation of one) is *deferred* while the run's started-but-unconsumed groups (`groups_started -
-groups_consumed`) number `(max_staleness + 1) x` the groups per read seen so far (`groups_per_read`, or
-`groups_per_read_hint` before the first read): work that could not be consumed within the bound is not
-started. Tasks of a group already started always start, so a started group always completes.
+generation of one) is *deferred* while the run's started-but-unconsumed groups number `(max_staleness + 1)
+x` the groups per read seen so far (`groups_per_read`, or `groups_per_read_hint` before the first read):
+work that could not be consumed within the bound is not started. As in AReaL, the batch of the trainer's
+current policy version counts as unconsumed (it is being trained on): unconsumed = `groups_started -
+consumed_before_version` (the groups consumed before the current version was first seen; all consumed
+groups when the trainer has sent no version). So with groups read in the order they were started, a group
+started at version v is handed over by version v + max_staleness. Tasks of a group already started always
+start, so a started group always completes.
 """
 
 from __future__ import annotations
@@ -107,12 +111,13 @@ if redis.call('SISMEMBER', KEYS[5], ARGV[6]) == 1 then
   return {'skipped', tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'), false}
 end
 if redis.call('HGET', KEYS[8], ARGV[6]) ~= ARGV[7] then
-  local run = redis.call('HMGET', KEYS[3], 'max_staleness', 'groups_per_read', 'groups_per_read_hint')
+  local run = redis.call('HMGET', KEYS[3], 'max_staleness', 'groups_per_read', 'groups_per_read_hint',
+                         'consumed_before_version')
   local bound = tonumber(run[1] or '')
   if bound then
     local per = tonumber(run[2] or '') or tonumber(run[3] or '') or 1
-    local live = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0')
-                 - tonumber(redis.call('HGET', KEYS[2], 'groups_consumed') or '0')
+    local consumed = tonumber(run[4] or '') or tonumber(redis.call('HGET', KEYS[2], 'groups_consumed') or '0')
+    local live = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0') - consumed
     if live >= (bound + 1) * per then return {'deferred', 0, false} end
   end
   redis.call('HSET', KEYS[8], ARGV[6], ARGV[7])
