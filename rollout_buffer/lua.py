@@ -186,7 +186,8 @@ return {'stored', gid}
 # ({'retry', lease JSON, groups...}); an acknowledged one answers {'acked', ''}. Otherwise records the
 # reader's policy version and batch size, then pops whole groups from the head of the ready list while
 # they fit in max_samples: a group staler than `max_staleness` is dropped or requeued on the way
-# (`stale_policy`; not with "keep") and takes no room. Resets the since-previous-read counters. With a
+# (`stale_policy`; not with "keep"; a group requeued `max_requeues` times already is dropped) and takes
+# no room. Resets the since-previous-read counters. With a
 # lease the groups stay stored under the batch ({'leased', lease JSON, groups...}); without, they are
 # deleted and marked handed over ({'handed', info JSON, groups...}). Each group is {gid, {uid, blob, ...}}.
 # Nothing to hand over: {'empty', info JSON or ''} (the info names stale groups dealt with on the way).
@@ -212,10 +213,12 @@ if bid ~= '' then
   if settled and tonumber(settled) > 0 then return {'acked', ''} end
 end
 if ARGV[5] ~= '' then set_version(KEYS[14], KEYS[4], ARGV[5]) end
-local run = redis.call('HMGET', KEYS[14], 'policy_version', 'max_staleness', 'stale_policy', 'groups_per_read')
+local run = redis.call('HMGET', KEYS[14], 'policy_version', 'max_staleness', 'stale_policy', 'groups_per_read',
+                       'max_requeues')
 local version = tonumber(run[1] or '')
 local bound = tonumber(run[2] or '')
 local policy = run[3] or 'requeue'
+local max_requeues = tonumber(run[5] or '') or 3
 if policy == 'keep' or not version then bound = nil end
 local max_samples = tonumber(ARGV[1])
 local taken = 0
@@ -230,7 +233,9 @@ while true do
   if oldest and version - oldest > bound then
     redis.call('LPOP', KEYS[1])
     local n = delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
-    if policy == 'drop' then
+    local again = policy ~= 'drop' and tonumber(redis.call('HGET', KEYS[16], gid) or '0') < max_requeues
+    if not again then
+      if policy ~= 'drop' then redis.call('HINCRBY', KEYS[4], 'drop:stale_requeue_limit', 1) end
       dropped[#dropped + 1] = gid
       redis.call('HINCRBY', KEYS[4], 'stale_dropped_groups', 1)
       redis.call('HINCRBY', KEYS[4], 'stale_dropped_samples', n)

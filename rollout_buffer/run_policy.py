@@ -8,6 +8,8 @@ Fields (all optional; values may be strings, as slime sends them):
   (`rollout_buffer.runtime.taskqueue`).
 * `stale_policy`: what happens to a group staler than the bound when a reader meets it: `requeue`
   (default: roll it out again, native tasks only), `drop`, or `keep` (hand it over and count it).
+* `max_requeues`: how often one group may be rolled out again (default 3); a group still too stale after
+  that is dropped (`drop:stale_requeue_limit`), so a prompt that is always slow cannot loop for ever.
 * `group_filter`: `nonzero_std` or a dotted path (see `rollout_buffer.group_filter`).
 * `max_extra_groups`: groups the prompt stream may add past the plan to replace filtered ones (default:
   as many as the plan has: lines x num_epoch).
@@ -58,6 +60,7 @@ class RunPolicy:
     stale_policy: str
     group_filter: str | None
     max_extra_groups: int | None
+    max_requeues: int | None
     groups_per_read_hint: int
     policy_version: int | None
 
@@ -86,7 +89,8 @@ class RunPolicy:
         batch = _int(extra, "rollout_batch_size", 1)
         hint = batch if batch is not None else max(1, math.ceil(request.num_process / request.num_repeat_per_sample))
         return cls(max_staleness=bound, stale_policy=policy, group_filter=spec,
-                   max_extra_groups=_int(extra, "max_extra_groups", 0), groups_per_read_hint=hint,
+                   max_extra_groups=_int(extra, "max_extra_groups", 0), max_requeues=_int(extra, "max_requeues", 0),
+                   groups_per_read_hint=hint,
                    policy_version=_int(extra, "policy_version", 0))
 
     def meta(self) -> dict[str, Any]:
@@ -97,6 +101,8 @@ class RunPolicy:
             fields["max_staleness"] = self.max_staleness
         if self.group_filter is not None:
             fields["group_filter"] = self.group_filter
+        if self.max_requeues is not None:
+            fields["max_requeues"] = self.max_requeues
         if self.max_extra_groups is not None:
             fields["extra_groups_cap"] = self.max_extra_groups
         if self.policy_version is not None:

@@ -190,3 +190,16 @@ async def test_the_current_versions_batch_counts_as_unconsumed(redis_store: Stor
     await handover.read_ready(redis_store, run_id, 1, policy_version=1)
     assert (await redis_store.run_meta(run_id))["consumed_before_version"] == "1"
     assert (await queue.start(b)).proceed, "version 1: the batch of version 0 is done"
+
+
+async def test_a_group_is_requeued_at_most_max_requeues_times(redis_store: Store) -> None:
+    run_id = await new_run(redis_store, max_staleness=0, max_requeues=1)
+    queue = TaskQueue(redis_store.redis, run_id)
+    await queue.enqueue([{"instance_id": "a"}], num_epoch=1, repeats=2, excluded=set())
+    await write_group(redis_store, run_id, "a", [0, 0], generation=0)
+    assert (await handover.read_ready(redis_store, run_id, policy_version=2)).requeued == ["0:a"]
+    await write_group(redis_store, run_id, "a", [1, 1], generation=1)
+    again = await handover.read_ready(redis_store, run_id, policy_version=3)
+    assert again.requeued == [] and again.dropped == ["0:a"], "requeued once already: dropped"
+    counters = await stats(redis_store, run_id)
+    assert counters["drop:stale_requeue_limit"] == 1 and counters["stale_dropped_groups"] == 1
