@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from slime_adapter.buffer_client import staleness_fields
+from slime_adapter.evaluation import EvalDataset, start_payload
 from slime_adapter.metrics import rollout_metrics
 from slime_adapter.settings import AgentRolloutSettings
 
@@ -18,6 +19,8 @@ def test_the_training_run_gets_the_bound_the_filter_and_the_version() -> None:
     assert staleness_fields(settings, 7) == {"max_staleness": "2", "rollout_batch_size": "4", "stale_policy": "drop",
                                              "group_filter": "nonzero_std", "policy_version": "7"}
     assert staleness_fields(AgentRolloutSettings.from_args(SimpleNamespace()), None) == {}
+    evaluation = start_payload(settings, EvalDataset(name="d", path="/d.jsonl"), "eval-d", "math")
+    assert not {"max_staleness", "stale_policy", "group_filter", "policy_version"} & set(evaluation)
 
 
 @pytest.mark.parametrize(("name", "value", "words"), [

@@ -105,3 +105,17 @@ def test_policy_version_route_refusals(client: httpx.Client, input_file: Path) -
     answer = client.post("/policy_version", json={"run_id": unreachable, "version": 2, "abort_in_flight": True})
     assert answer.status_code == 502 and "set to 2" in answer.json()["message"]
     assert client.get(f"/runs/{unreachable}").json()["meta"]["policy_version"] == "2"
+
+
+def test_a_slime_style_runs_filtered_groups_are_counted_not_replaced(client: httpx.Client,
+                                                                    input_file: Path) -> None:
+    run_id = new_run(client, input_file, group_filter="nonzero_std")
+    write(client, run_id, "i0", [None, None])  # rewards 1.0 and 1.0
+    write(client, run_id, "i1", [None, None], reward=0.0)
+    read = client.post("/get_rollout_data", json={"run_id": run_id}).json()
+    meta = read["data"]["meta_info"]
+    assert sorted(meta["filtered_groups"]) == ["i0", "i1"] and meta["dynamic_filter"] == {"zero_std": 2}
+    assert read["data"]["data"] == [] and read["success"], "consumed, nothing to train on"
+    counters = stats(client, run_id)
+    assert counters["drop:zero_std"] == 2 and counters["groups_filtered"] == 2
+    assert "groups_extended" not in counters, "a slime-style module writes what it writes"

@@ -169,13 +169,14 @@ def test_a_custom_group_filter_drops_by_its_own_reason(tmp_path: Path, client: h
     input_file = write_rows(tmp_path, rows)
     run_id = start_native(client, input_file, engine_url=engine.url, tokenizer_path=qwen_tokenizer_path,
                           task_type="pattern", group_filter="tests.group_filters.not_all_perfect",
-                          max_extra_groups=0)
+                          max_extra_groups=0, policy_version="3")
     wait_status(client, run_id, "finished")
     read = client.post("/get_rollout_data", json={"run_id": run_id}).json()
     meta = read["data"]["meta_info"]
     assert sorted(meta["finished_groups"]) == ["c0", "c1", "c2", "c3"]
     assert sorted(meta["filtered_groups"]) == ["c0", "c1"] and meta["dynamic_filter"] == {"all_perfect": 2}
     assert sorted({r["instance_id"] for r in read["data"]["data"]}) == ["c2", "c3"]
+    assert {r["policy_version"] for r in read["data"]["data"]} == {3}, "no engine call: the version at its start"
     stats = run_detail(client, run_id)["stats"]
     assert stats["drop:all_perfect"] == 2 and "groups_extended" not in stats, "max_extra_groups=0: no replacement"
 
