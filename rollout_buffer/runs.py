@@ -17,6 +17,9 @@ so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every 
 trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
 and batches leased to the previous trainer session are released at once (one trainer per run).
 
+The trainer's `policy_version` and `rollout_batch_size` are not part of a run's identity; its staleness
+bound and group filter are (`rollout_buffer.run_policy`), and are checked before anything is stored.
+
 Pass `run_id` explicitly to start a separate run with the same settings. A run started with
 `"activate": false` (the adapter's evaluation runs) does not become the active run, the one that writes
 and reads without a `run_id` go to; its data is reached by its `run_id` only.
