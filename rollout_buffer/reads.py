@@ -147,6 +147,8 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
     policy = meta_fields.get("stale_policy") or "requeue"
     group_size = int(meta_fields.get("group_size") or 0)
     asked = num // group_size if num is not None and group_size else 0
+    if policy_version is not None:  # recorded (and announced to the workers) before any waiting
+        await store.set_policy_version(run_id, policy_version)
     deadline = time.monotonic() + wait_s
     requeued: list[str] = []
     dropped: list[str] = []

@@ -103,15 +103,22 @@ class Store:
 
     async def set_policy_version(self, run_id: str, version: int) -> tuple[bool, int | None]:
         """Record the trainer's policy version for a live run: (the run is live, the previous version or
-        None). Never re-creates the meta of a deleted run."""
+        None); a change is announced to the workers. Never re-creates the meta of a deleted run."""
         live, previous = await self.script("SET_POLICY_VERSION", [keys.run_meta(run_id), keys.stats(run_id)],
                                            [version])
-        return bool(live), None if previous in (None, b"", "") else int(previous)
+        before = None if previous in (None, b"", "") else int(previous)
+        if live and before != version:
+            await self.announce_run(run_id, policy_version=version)
+        return bool(live), before
 
-    async def announce_run(self, run_id: str) -> None:
-        """Tell every worker, on any machine, that a run was launched, or has new tasks (XREAD BLOCK on
-        the run-events stream; a worker serves a running run it is not serving yet)."""
-        await self.redis.xadd(keys.RUN_EVENTS, {"run_id": run_id}, maxlen=RUN_EVENTS_MAXLEN, approximate=True)
+    async def announce_run(self, run_id: str, *, policy_version: int | None = None) -> None:
+        """Tell every worker, on any machine, that a run was launched, has new tasks, or a new policy
+        version (XREAD BLOCK on the run-events stream; a worker serves a running run it is not serving
+        yet, and stamps engine calls with the version)."""
+        fields: dict[Any, Any] = {"run_id": run_id}
+        if policy_version is not None:
+            fields["policy_version"] = policy_version
+        await self.redis.xadd(keys.RUN_EVENTS, fields, maxlen=RUN_EVENTS_MAXLEN, approximate=True)
 
     async def set_active_run(self, run_id: str) -> None:
         await self.redis.set(keys.ACTIVE_RUN, run_id)

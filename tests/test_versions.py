@@ -145,3 +145,26 @@ async def test_the_clock_caches_for_its_ttl(redis_store: Store) -> None:
     await redis_store.redis.hset(keys.run_meta(run_id), "policy_version", 5)
     assert await clock.current() == 3, "cached"
     assert await clock.current(fresh=True) == 5, "read afresh (after an abort)"
+
+
+async def test_a_new_version_is_announced_and_reaches_the_runs_clock(redis_store: Store) -> None:
+    from types import SimpleNamespace
+
+    from rollout_buffer.runtime.worker import WorkerPool
+    from rollout_buffer.settings import Settings
+    from rollout_buffer.tasks import TaskRegistry
+
+    run_id = await _run_meta(redis_store)
+    assert await redis_store.set_policy_version(run_id, 4) == (True, 3)
+    assert await redis_store.set_policy_version(run_id, 4) == (True, 4)
+    events = [{k.decode(): v.decode() for k, v in fields.items()}
+              for _, fields in await redis_store.redis.xrange(keys.RUN_EVENTS)]
+    assert events == [{"run_id": run_id, "policy_version": "4"}], "announced once: only a change is news"
+    clock = PolicyClock(redis_store.redis, run_id, ttl_s=3600)
+    assert await clock.current() == 4
+    pool = WorkerPool(redis_store, TaskRegistry(), Settings())
+    pool._runs[run_id] = [SimpleNamespace(handle=SimpleNamespace(clock=clock))]  # a run it serves
+    pool._tasks[run_id] = asyncio.get_running_loop().create_future()
+    pool.on_event(events[0] | {"policy_version": "9"})
+    assert await clock.current() == 9, "pushed: no Redis read"
+    assert await redis_store.set_policy_version("no-such-run", 1) == (False, None)

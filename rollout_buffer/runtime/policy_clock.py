@@ -1,9 +1,11 @@
 """The run's policy version as a worker sees it: what every engine call is stamped with.
 
 The trainer sets it (`policy_version` with its reads, or `POST /policy_version`); it lives in the run's
-meta. Every engine call reads it as it starts, so a group admitted right after a version change is stamped
-with the new version. Concurrent readers share one HGET in flight (a busy worker pays about one round trip
-per round trip, not one per call); `fresh` reads (after an abort) never join one that may predate the change.
+meta, and every change is announced on the run-events stream, from which the worker pool hands it to the
+run's clock (`observe`) within milliseconds. So an engine call costs no Redis read; the clock reads the
+meta itself only when its value is older than `ttl_s` (a missed announcement is caught up within that),
+and afresh after an abort (`fresh`), so a generation continued under a new version is stamped with it.
+Concurrent readers share one read in flight; a `fresh` read never joins one that may predate the change.
 """
 
 from __future__ import annotations
@@ -16,17 +18,24 @@ import redis.asyncio as aioredis
 from rollout_buffer import keys
 from rollout_buffer.versions import as_version
 
+DEFAULT_TTL_S = 1.0
+
 
 class PolicyClock:
-    """The policy version of one run (None while the trainer has not said one); `ttl_s` > 0 caches it."""
+    """The policy version of one run (None while the trainer has not said one)."""
 
-    def __init__(self, client: aioredis.Redis, run_id: str, ttl_s: float = 0.0) -> None:
+    def __init__(self, client: aioredis.Redis, run_id: str, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.redis = client
         self.run_id = run_id
         self.ttl_s = ttl_s
         self._value: int | None = None
         self._read_at = float("-inf")
         self._pending: asyncio.Future[int | None] | None = None
+
+    def observe(self, version: int) -> None:
+        """An announced version: the value from now on (until the next announcement or read)."""
+        self._value = version
+        self._read_at = time.monotonic()
 
     async def _read(self) -> int | None:
         raw = await self.redis.hget(keys.run_meta(self.run_id), "policy_version")

@@ -9,7 +9,8 @@ Admission (`rollout_buffer.runtime.taskqueue`): a task the run's staleness bound
 loop, unacknowledged and renewed, and tried again every `DEFER_RETRY_S`; while a loop holds such tasks it
 reads no new ones (they come later in the stream), but still reclaims dead workers' tasks. A run that had
 finished and gets new tasks (a stale group rolled out again, a filtered group replaced) is announced on
-the run-events stream and served again.
+the run-events stream and served again. A new policy version is announced there too and goes straight to
+the run's `PolicyClock`, so engine calls are stamped with it without a Redis read per call.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskRegistry
+from rollout_buffer.versions import as_version
 
 log = logging.getLogger(__name__)
 MAX_BLOCK_S = 2.0
@@ -237,6 +239,16 @@ class WorkerPool:
     def active_runs(self) -> list[str]:
         return sorted(self._tasks)
 
+    def on_event(self, fields: dict[str, str]) -> None:
+        """A run-events entry: serve its run; a new policy version goes straight to the run's clock."""
+        run_id = fields.get("run_id", "")
+        version = as_version(fields.get("policy_version"))
+        if version is not None:
+            for loop in self._runs.get(run_id, [])[:1]:  # the loops of a run share one handle
+                if loop.handle.clock is not None:
+                    loop.handle.clock.observe(version)
+        self.watch(run_id)
+
     def watch(self, run_id: str) -> None:
         """Serve `run_id` if it is running and not served yet (idempotent)."""
         if self._closed or run_id in self._tasks:
@@ -287,7 +299,7 @@ class WorkerPool:
                     for _stream, entries in reply or []:
                         for entry_id, fields in entries:
                             last_id = _text(entry_id)
-                            self.watch(_text(fields.get(b"run_id", fields.get("run_id"))))
+                            self.on_event({_text(k): _text(v) for k, v in fields.items()})
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
