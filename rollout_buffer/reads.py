@@ -171,12 +171,13 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
             return empty("no group is ready", _stale_lists(requeued, dropped) if requeued or dropped else None)
         await handover.wait_for_ready(store, run_id, remaining)
     task_type = task.task_type if task else ""
-    spec = meta_fields.get("group_filter")
-    dynamic = group_filter.load(spec) if spec else None
+    dynamic, unavailable = _group_filter(meta_fields.get("group_filter"), len(batch.groups))
     records, info, temp_data = await asyncio.to_thread(_apply_hooks, batch, task, task_type, min_valid_group_size,
                                                        dynamic)
     filtered, hook_errors = len(info["filtered_groups"]), len(info["hook_error_groups"])
     staleness, versioned, counts = _staleness(batch, records, bound, policy)
+    if unavailable:
+        counts["group_filter_unavailable"] = unavailable
     replace = sum(info["dynamic_filter"].values())
     if replace:
         counts["groups_filtered"] = replace
@@ -209,6 +210,18 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
                    + (f" (batch {batch_id}, leased for {batch.lease_s:g} s)" if batch_id else ""),
         "data": {"data": records, "meta_info": meta},
     }
+
+
+def _group_filter(spec: str | None, groups: int) -> tuple[group_filter.GroupFilter | None, int]:
+    """The run's filter, or (None, groups) when this process cannot load it (another API process's import
+    path): the groups are then handed over unfiltered, and counted as such, rather than failing the read."""
+    if not spec:
+        return None, 0
+    try:
+        return group_filter.load(spec), 0
+    except group_filter.GroupFilterError as exc:
+        log.error("group filter %r cannot be loaded here (%s); %d group(s) handed over unfiltered", spec, exc, groups)
+        return None, groups
 
 
 def _stale_lists(requeued: list[str], dropped: list[str]) -> dict[str, list[str]]:

@@ -119,3 +119,4 @@ def test_a_slime_style_runs_filtered_groups_are_counted_not_replaced(client: htt
     counters = stats(client, run_id)
     assert counters["drop:zero_std"] == 2 and counters["groups_filtered"] == 2
     assert "groups_extended" not in counters, "a slime-style module writes what it writes"
+

@@ -203,3 +203,14 @@ async def test_a_group_is_requeued_at_most_max_requeues_times(redis_store: Store
     assert again.requeued == [] and again.dropped == ["0:a"], "requeued once already: dropped"
     counters = await stats(redis_store, run_id)
     assert counters["drop:stale_requeue_limit"] == 1 and counters["stale_dropped_groups"] == 1
+
+
+async def test_a_filter_this_process_cannot_load_hands_groups_over_counted(redis_store: Store) -> None:
+    from rollout_buffer.reads import read_rollout_data
+
+    run_id = await new_run(redis_store, group_filter="no_such_module_anywhere.f")
+    await write_group(redis_store, run_id, "a", [None, None])
+    answer = await read_rollout_data(redis_store, run_id, None, num=None, wait_s=0, min_valid_group_size=1,
+                                     run_meta=await redis_store.run_meta(run_id))
+    assert [r["instance_id"] for r in answer["data"]["data"]] == ["a", "a"], "unfiltered, not lost"
+    assert (await stats(redis_store, run_id))["group_filter_unavailable"] == 1
