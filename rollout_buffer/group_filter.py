@@ -80,7 +80,7 @@ def load(spec: str) -> GroupFilter:
     module_name, _, name = spec.rpartition(".")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+    except Exception as exc:  # any import failure is the user's to see
         raise GroupFilterError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
     function = getattr(module, name, None)
     if not callable(function):
