@@ -61,8 +61,8 @@ def trainer_args(server: ServerProcess, engine: Any, input_file: Path, tokenizer
 def test_a_trainer_bumping_its_version_gets_nothing_staler_than_the_bound(
         tmp_path: Path, adapter: None, runtime_server: ServerProcess, client: httpx.Client, engine: Any,
         qwen_tokenizer_path: str, slime_data_buffer: Any) -> None:
-    engine.configure(latency_s=0.02, latency_jitter_s=0.6)  # rollouts finish out of the order they started
-    batch, steps = 2, 8
+    engine.configure(latency_s=0.02, latency_jitter_s=0.5)  # rollouts finish out of the order they started
+    batch, steps = 2, 6
     input_file = write_rows(tmp_path, arithmetic_rows(batch * steps))
     args = trainer_args(runtime_server, engine, input_file, qwen_tokenizer_path, task="math", batch=batch,
                         agent_max_staleness=1)
