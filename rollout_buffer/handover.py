@@ -145,14 +145,14 @@ async def ack_batch(store: Store, run_id: str, batch_id: str) -> AckOutcome:
     return AckOutcome(batch_id, text(outcome) or "unknown", int(groups), int(added))
 
 
-async def extend_stream(store: Store, run_id: str, groups: int) -> int:
-    """Replace `groups` filtered groups with the next groups of the prompt stream (see `lua_tasks`);
-    returns how many were added."""
-    if groups <= 0:
+async def extend_stream(store: Store, run_id: str, groups: int, *, filtered: int = 0) -> int:
+    """Replace `groups` groups a group filter dropped with the next groups of the prompt stream (see
+    `lua_tasks`), and let all `filtered` groups free admission; returns how many groups were added."""
+    if groups <= 0 and filtered <= 0:
         return 0
     added = int(await store.script("EXTEND_GROUPS", [
         keys.run_meta(run_id), keys.stats(run_id), keys.tasks(run_id), keys.lines(run_id), keys.skip(run_id),
-        keys.closed(run_id)], [groups]))
+        keys.closed(run_id)], [groups, max(filtered, groups)]))
     if added:
         await store.announce_run(run_id)
     return added

@@ -64,6 +64,13 @@ local function set_version(k_meta, k_stats, version)
                redis.call('HGET', k_stats, 'groups_consumed') or '0')
   end
 end
+-- groups consumed without being trained on (dropped, requeued, filtered, timed out) free admission at once:
+-- they are not part of the batch of the current policy version
+local function release_groups(k_meta, n)
+  if n > 0 and redis.call('HEXISTS', k_meta, 'consumed_before_version') == 1 then
+    redis.call('HINCRBY', k_meta, 'consumed_before_version', n)
+  end
+end
 local function wake(k_wake)
   redis.call('RPUSH', k_wake, '1')
   redis.call('LTRIM', k_wake, -64, -1)
@@ -246,6 +253,7 @@ while true do
       redis.call('HINCRBY', KEYS[4], 'stale_requeued_samples', n)
     end
     redis.call('HINCRBY', KEYS[4], 'groups_consumed', 1)
+    release_groups(KEYS[14], 1)
   else
     local n = tonumber(redis.call('HGET', KEYS[8], gid) or '0')
     if max_samples >= 0 and taken + n > max_samples then break end
@@ -294,8 +302,8 @@ return out
 #       11 tasks 12 lines 13 skip 14 closed
 # ARGV: 1 batch_id 2 now
 # Ends a lease for good: its groups are deleted and marked handed over, what the reader decided for them
-# (stored with the lease by SET_LEASE_OUTCOME: counters, groups a filter dropped) is counted now, and those
-# dropped groups are replaced from the prompt stream. Returns {outcome, groups, groups added}: acked |
+# (stored with the lease by SET_LEASE_OUTCOME: counters, groups a filter dropped) is counted now, those
+# dropped groups are replaced from the prompt stream, and filtered groups free admission at once. Returns {outcome, groups, groups added}: acked |
 # already_acked | expired | unknown.
 ACK_BATCH = _GROUP_FUNCTIONS + TASK_FUNCTIONS + """
 local bid = ARGV[1]
@@ -332,6 +340,7 @@ if type(lease['counts']) == 'table' then
   for name, amount in pairs(lease['counts']) do redis.call('HINCRBY', KEYS[8], name, amount) end
 end
 local added = extend_stream(KEYS[10], KEYS[8], KEYS[11], KEYS[12], KEYS[13], KEYS[14], tonumber(lease['extend'] or 0))
+release_groups(KEYS[10], filtered + tonumber(lease['extend'] or 0))
 redis.call('HDEL', KEYS[2], bid)
 redis.call('ZREM', KEYS[1], bid)
 redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), bid)
@@ -377,6 +386,7 @@ for _, gid in ipairs(expired) do
   else
     local n = delete_group(KEYS[8], KEYS[9], KEYS[6], KEYS[11], gid)
     redis.call('HINCRBY', KEYS[4], 'groups_consumed', 1)
+    release_groups(KEYS[10], 1)
     redis.call('HINCRBY', KEYS[4], 'drop:group_timeout', 1)
     redis.call('HINCRBY', KEYS[4], 'drop:group_timeout_samples', n)
     redis.call('RPUSH', KEYS[7], gid)

@@ -73,9 +73,14 @@ local function extend_stream(k_meta, k_stats, k_tasks, k_lines, k_skip, k_closed
 end
 """
 
-# KEYS: 1 meta 2 stats 3 tasks 4 lines 5 skip 6 closed. ARGV: 1 groups wanted.
-# Replaces groups a group filter dropped at a read that handed them over for good. Returns groups added.
+# KEYS: 1 meta 2 stats 3 tasks 4 lines 5 skip 6 closed. ARGV: 1 groups wanted 2 groups filtered in all.
+# After a read that handed groups over for good: replaces those a group filter dropped, and lets every
+# filtered group free admission at once (it is not part of the batch being trained on). Returns groups added.
 EXTEND_GROUPS = TASK_FUNCTIONS + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local filtered = tonumber(ARGV[2])
+if filtered > 0 and redis.call('HEXISTS', KEYS[1], 'consumed_before_version') == 1 then
+  redis.call('HINCRBY', KEYS[1], 'consumed_before_version', filtered)
+end
 return extend_stream(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[1]))
 """

@@ -192,7 +192,7 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
         totals.update({"groups_filtered": task_filtered, "drop:filtered_group": task_filtered,
                        "drop:hook_error": hook_errors})
         await store.incr_stats(run_id, dict(totals))
-        await handover.extend_stream(store, run_id, replace)
+        await handover.extend_stream(store, run_id, replace, filtered=filtered)
     stats = await store.stats(run_id)
     meta = _meta_info(batch, info, records, stats)
     meta.update(_stale_lists(requeued, dropped))

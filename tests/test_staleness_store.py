@@ -214,3 +214,24 @@ async def test_a_filter_this_process_cannot_load_hands_groups_over_counted(redis
                                      run_meta=await redis_store.run_meta(run_id))
     assert [r["instance_id"] for r in answer["data"]["data"]] == ["a", "a"], "unfiltered, not lost"
     assert (await stats(redis_store, run_id))["group_filter_unavailable"] == 1
+
+
+async def test_filtered_and_stale_groups_free_admission_at_once(redis_store: Store) -> None:
+    run_id = await new_run(redis_store, group_size=1, max_staleness=0, groups_per_read_hint=1, policy_version=0,
+                           consumed_before_version=0)
+    queue = TaskQueue(redis_store.redis, run_id)
+    await queue.enqueue([{"instance_id": "a"}, {"instance_id": "b"}, {"instance_id": "c"}], num_epoch=1, repeats=1,
+                        excluded=set())
+    a, b, c = await queue.read_new("c1", 10, 100)
+    assert (await queue.start(a)).proceed and (await queue.start(b)).deferred
+    await write_group(redis_store, run_id, "a", [0])
+    await handover.read_ready(redis_store, run_id, 1, lease_s=30, batch_id="f", policy_version=0)
+    await handover.set_lease_outcome(redis_store, run_id, "f", filtered=0, hook_errors=0, extend=1)
+    await handover.ack_batch(redis_store, run_id, "f")
+    assert (await queue.start(b)).proceed, "a filtered group is no part of the batch being trained: room at once"
+    await write_group(redis_store, run_id, "b", [0])
+    await redis_store.set_policy_version(run_id, 2)
+    assert (await handover.read_ready(redis_store, run_id, 1)).requeued == ["0:b"]
+    assert (await queue.start(c)).proceed, "the stale group left the room it held"
+    [again] = await queue.read_new("c1", 10, 100)
+    assert (again.instance_id, again.gen) == ("b", 1) and (await queue.start(again)).deferred, "bounded as any group"

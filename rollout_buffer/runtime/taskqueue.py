@@ -16,8 +16,9 @@ generation of one) is *deferred* while the run's started-but-unconsumed groups n
 x` the groups per read seen so far (`groups_per_read`, or `groups_per_read_hint` before the first read):
 work that could not be consumed within the bound is not started. As in AReaL, the batch of the trainer's
 current policy version counts as unconsumed (it is being trained on): unconsumed = `groups_started -
-consumed_before_version` (the groups consumed before the current version was first seen; all consumed
-groups when the trainer has sent no version). So with groups read in the order they were started, a group
+consumed_before_version` (the groups consumed before the current version was first seen, plus those
+consumed since without being trained on: filtered, stale, timed out; all consumed groups when the trainer
+has sent no version). So with groups read in the order they were started, a group
 started at version v is handed over by version v + max_staleness. Tasks of a group already started always
 start, so a started group always completes.
 """
