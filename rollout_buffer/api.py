@@ -24,7 +24,7 @@ from rollout_buffer.maintenance import maintain, supervise_embedded
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
 from rollout_buffer.responses import OrjsonResponse
-from rollout_buffer.routes import ops, reads, runs, writes
+from rollout_buffer.routes import ops, policy, reads, runs, writes
 from rollout_buffer.routes.docs import install_docs
 from rollout_buffer.runs import Runtime
 from rollout_buffer.settings import Settings
@@ -101,7 +101,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     install_error_handlers(app)
     install_openapi(app)
     install_docs(app)
-    for router in (runs.router, writes.router, reads.router, ops.router, remote_router):
+    for router in (runs.router, writes.router, reads.router, policy.router, ops.router, remote_router):
         app.include_router(router)
     if settings.bench_routes:
         app.include_router(writes.bench_router)

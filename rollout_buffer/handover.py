@@ -50,6 +50,9 @@ class ReadBatch:
     timed_out_groups: list[str] = field(default_factory=list)
     lease_s: float = 0.0
     missing_records: int = 0
+    policy_version: int | None = None  # the reader's (or the run's last known) policy version
+    requeued: list[str] = field(default_factory=list)  # stale groups sent back for a new rollout
+    dropped: list[str] = field(default_factory=list)  # stale groups dropped
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class AckOutcome:
     batch_id: str
     outcome: str
     groups: int = 0
+    added_groups: int = 0  # groups the prompt stream added to replace filtered ones
 
 
 def _json_list(value: Any) -> list[Any]:
@@ -73,18 +77,32 @@ def _lease_keys(run_id: str) -> list[str]:
 
 
 async def read_ready(store: Store, run_id: str, max_samples: int | None = None, *, lease_s: float = 0.0,
-                     batch_id: str = "") -> ReadBatch:
-    """Take whole ready groups in completion order, at most `max_samples` records in all; see `ReadBatch`."""
+                     batch_id: str = "", policy_version: int | None = None, asked_groups: int = 0) -> ReadBatch:
+    """Take whole ready groups in completion order, at most `max_samples` records in all; see `ReadBatch`.
+    `policy_version` is the reader's (recorded as the run's); groups staler than the run's bound are
+    dropped or requeued on the way (see `lua.READ_READY`). `asked_groups`: the batch size the reader asked
+    for, in groups (the admission rule's "groups per read")."""
     reply = await store.script("READ_READY", [
         keys.ready(run_id), keys.records(run_id), keys.handed(run_id), keys.stats(run_id), keys.since(run_id),
         keys.since_groups(run_id), keys.timed_out(run_id), keys.gsize(run_id), keys.members(run_id),
         keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.wake(run_id),
-    ], [-1 if max_samples is None else max_samples, lease_s if lease_s > 0 else 0, batch_id, time.time()])
+        keys.run_meta(run_id), keys.group_version(run_id), keys.group_generation(run_id), keys.tasks(run_id),
+        keys.closed(run_id),
+    ], [-1 if max_samples is None else max_samples, lease_s if lease_s > 0 else 0, batch_id, time.time(),
+        "" if policy_version is None else policy_version, asked_groups])
     kind, raw_info, *groups = reply
     batch = ReadBatch(kind=text(kind) or "empty", batch_id=batch_id)
-    if batch.kind in ("empty", "acked"):
+    if batch.kind == "acked" or not raw_info:
         return batch
     info = orjson.loads(raw_info)
+    version = info.get("policy_version")
+    batch.policy_version = version if isinstance(version, int) and not isinstance(version, bool) else None
+    batch.requeued = [str(x) for x in _json_list(info.get("requeued"))]
+    batch.dropped = [str(x) for x in _json_list(info.get("dropped"))]
+    if batch.requeued and batch.kind != "retry":
+        await store.announce_run(run_id)  # their new tasks may reopen a finished run: its workers come back
+    if batch.kind == "empty":
+        return batch
     since = _json_list(info.get("since"))
     batch.since = {str(since[i]): number(since[i + 1]) for i in range(0, len(since), 2)}
     batch.num_since_groups = int(info.get("num_since_groups") or 0)
@@ -106,18 +124,38 @@ async def read_ready(store: Store, run_id: str, max_samples: int | None = None, 
     return batch
 
 
-async def set_lease_outcome(store: Store, run_id: str, batch_id: str, *, filtered: int, hook_errors: int) -> None:
-    """Remember what the group hooks decided for a leased batch; counted when it is acknowledged."""
-    await store.script("SET_LEASE_OUTCOME", [keys.lease_data(run_id)], [batch_id, filtered, hook_errors])
+async def set_lease_outcome(store: Store, run_id: str, batch_id: str, *, filtered: int, hook_errors: int,
+                            counts: dict[str, int] | None = None, extend: int = 0) -> None:
+    """Remember what the read decided for a leased batch (task-hook filtering, counters, groups a group
+    filter dropped and the prompt stream must replace); counted and replaced when it is acknowledged."""
+    await store.script("SET_LEASE_OUTCOME", [keys.lease_data(run_id)],
+                       [batch_id, filtered, hook_errors, orjson.dumps(counts or {}), extend])
 
 
 async def ack_batch(store: Store, run_id: str, batch_id: str) -> AckOutcome:
     """End a batch's lease for good: its groups are handed over (deleted, recorded for resume)."""
-    outcome, groups = await store.script("ACK_BATCH", [
+    outcome, groups, added = await store.script("ACK_BATCH", [
         keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.records(run_id),
         keys.gsize(run_id), keys.members(run_id), keys.handed(run_id), keys.stats(run_id),
+        keys.group_version(run_id), keys.run_meta(run_id), keys.tasks(run_id), keys.lines(run_id),
+        keys.skip(run_id), keys.closed(run_id),
     ], [batch_id, time.time()])
-    return AckOutcome(batch_id, text(outcome) or "unknown", int(groups))
+    if int(added):
+        await store.announce_run(run_id)
+    return AckOutcome(batch_id, text(outcome) or "unknown", int(groups), int(added))
+
+
+async def extend_stream(store: Store, run_id: str, groups: int, *, filtered: int = 0) -> int:
+    """Replace `groups` groups a group filter dropped with the next groups of the prompt stream (see
+    `lua_tasks`), and let all `filtered` groups free admission; returns how many groups were added."""
+    if groups <= 0 and filtered <= 0:
+        return 0
+    added = int(await store.script("EXTEND_GROUPS", [
+        keys.run_meta(run_id), keys.stats(run_id), keys.tasks(run_id), keys.lines(run_id), keys.skip(run_id),
+        keys.closed(run_id)], [groups, max(filtered, groups)]))
+    if added:
+        await store.announce_run(run_id)
+    return added
 
 
 async def expire_leases(store: Store, run_id: str, *, release_all: bool = False, limit: int = 1000) -> int:
@@ -154,7 +192,7 @@ async def expire_groups(store: Store, run_id: str, older_than_s: float, policy: 
     return int(await store.script("EXPIRE_GROUPS", [
         keys.pending(run_id), keys.ready(run_id), keys.closed(run_id), keys.stats(run_id), keys.wake(run_id),
         keys.records(run_id), keys.timed_out(run_id), keys.gsize(run_id), keys.members(run_id),
-        keys.run_meta(run_id),
+        keys.run_meta(run_id), keys.group_version(run_id),
     ], [time.time() - older_than_s, policy, limit]))
 
 

@@ -36,6 +36,10 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:samples              hash   instance_id -> input line (JSON), written once by the enqueuer
     rb:{R}:attempts             hash   task id -> times a worker started it (poison-task cap)
     rb:{R}:error_examples       hash   error type -> first failed rollout of that type (JSON: message, uid, at)
+    rb:{R}:gversion             hash   gid -> oldest policy version among the group's members (while stored)
+    rb:{R}:ggen                 hash   gid -> generation of a group rolled out again (absent: 0)
+    rb:{R}:gstarted             hash   gid -> generation whose first task started (admission counting)
+    rb:{R}:lines                hash   line index -> instance_id, in file order (runs that extend the stream)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
@@ -161,7 +165,8 @@ def run_keys(run_id: str) -> list[str]:
     """Every key of one run: what `DELETE /runs/{run_id}` removes."""
     return [make(run_id) for make in (
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
-        stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples)]
+        stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
+        group_version, group_generation, group_started, lines)]
 
 
 def remote(rollout_id: str) -> str:
@@ -178,3 +183,19 @@ def remote_owner(owner_id: str) -> str:
 
 def error_examples(run_id: str) -> str:
     return f"{_tag(run_id)}:error_examples"
+
+
+def group_version(run_id: str) -> str:
+    return f"{_tag(run_id)}:gversion"
+
+
+def group_generation(run_id: str) -> str:
+    return f"{_tag(run_id)}:ggen"
+
+
+def group_started(run_id: str) -> str:
+    return f"{_tag(run_id)}:gstarted"
+
+
+def lines(run_id: str) -> str:
+    return f"{_tag(run_id)}:lines"

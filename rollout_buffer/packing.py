@@ -26,7 +26,7 @@ from rollout_buffer.schema import TOKEN_ID_MAX
 MAGIC = b"RB1"
 _HEADER_LEN = struct.Struct("<I")
 _SWAP = sys.byteorder != "little"
-_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "finish_reason", "weight_version")
+_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "finish_reason", "weight_version", "version_spans")
 
 
 class PackingError(ValueError):
@@ -68,7 +68,7 @@ def pack_record(record: dict[str, Any]) -> bytes:
         turn_meta: list[dict[str, Any]] = []
         prefix: np.ndarray | None = None
         for turn in turns:
-            prompt_values, output_values, logprobs, finish_reason, weight_version = _turn_values(turn)
+            prompt_values, output_values, logprobs, finish_reason, weight_version, spans = _turn_values(turn)
             try:
                 prompt, output = token_array(prompt_values), token_array(output_values)
             except OverflowError as exc:
@@ -78,6 +78,8 @@ def pack_record(record: dict[str, Any]) -> bytes:
             stored_prompt = prompt[len(prefix):] if extends and prefix is not None else prompt
             meta: dict[str, Any] = {"ext": extends, "p": len(stored_prompt), "o": len(output),
                                     "finish_reason": finish_reason, "weight_version": weight_version}
+            if spans is not None:
+                meta["vs"] = [list(span) for span in spans]
             chunks.append(stored_prompt.tobytes())
             chunks.append(output.tobytes())
             if logprobs is None:
@@ -134,6 +136,7 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
             raise PackingError(f"turn {i}: bad array metadata ({exc})") from exc
         if p < 0 or o < 0 or width not in (0, 4, 8) or not isinstance(ext, bool) or (ext and i == 0):
             raise PackingError(f"turn {i}: bad array metadata")
+        _check_spans(i, meta.get("vs"), o)
         end = offset + 4 * (p + o) + width * o
         if end > len(blob):
             raise PackingError(f"turn {i}: arrays run past the end of the record")
@@ -147,6 +150,19 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
         offset = end
     if offset != len(blob):
         raise PackingError(f"packed record has {len(blob) - offset} trailing bytes")
+
+
+def _check_spans(index: int, spans: Any, outputs: int) -> None:
+    """A turn's `vs` (version spans) must be [version, count] pairs covering its outputs exactly."""
+    if spans is None:
+        return
+    try:
+        counts = [int(span[1]) for span in spans if len(span) == 2]
+    except (TypeError, ValueError) as exc:
+        raise PackingError(f"turn {index}: bad version spans ({exc})") from exc
+    if len(counts) != len(spans) or any(c < 0 for c in counts) or sum(counts) != outputs:
+        raise PackingError(f"turn {index}: version spans must be [version, count] pairs covering its {outputs} "
+                           "output tokens")
 
 
 def with_header(blob: bytes, header: dict[str, Any], offset: int) -> bytes:
@@ -180,8 +196,11 @@ def unpack_record(blob: bytes) -> dict[str, Any]:
             logprobs = _from_le("f" if width == 4 else "d", view[offset : offset + width * meta["o"]])
             offset += width * meta["o"]
         prompt = prefix + tail if meta["ext"] else tail
-        turns.append({"prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs,
-                      "finish_reason": meta["finish_reason"], "weight_version": meta["weight_version"]})
+        turn = {"prompt_ids": prompt, "output_ids": output, "output_logprobs": logprobs,
+                "finish_reason": meta["finish_reason"], "weight_version": meta["weight_version"]}
+        if meta.get("vs") is not None:
+            turn["version_spans"] = meta["vs"]
+        turns.append(turn)
         prefix = prompt + output
     if offset != len(blob):
         raise PackingError(f"packed record has {len(blob) - offset} trailing bytes")

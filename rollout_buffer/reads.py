@@ -1,10 +1,19 @@
-"""`/get_rollout_data`: take ready groups, run the task's group hooks, build `meta_info`.
+"""`/get_rollout_data`: take ready groups, run the group filter and the task's group hooks, build `meta_info`.
 
 Hooks run at hand-over time, in the reading process. A filtered group's instance id is still reported in
 `finished_groups` (and its group key in `finished_group_keys`): it was consumed, and a resumed run must
-not roll it out again. For a leased batch the filter counts are stored with the lease and counted when it
-is acknowledged, so a batch read twice (a retry, or again after its lease ran out) is counted once; a
-retry re-runs the hooks on the same records, so hooks must be deterministic (slime's are).
+not roll it out again. The run's `group_filter` (`rollout_buffer.group_filter`) runs first, on the raw
+rewards; each group it drops is counted by reason (`drop:<reason>`) and replaced by the next group of the
+prompt stream, so the reader still gets full batches. For a leased batch the counts (and replacements) are
+stored with the lease and applied when it is acknowledged, so a batch read twice (a retry, or again after
+its lease ran out) is counted once; a retry re-runs the hooks on the same records, so hooks must be
+deterministic (slime's are).
+
+Staleness (`rollout_buffer.versions`): `meta_info.staleness` is `{min, mean, max, over_bound}` over the
+read's handed samples that carry a version (nulls when none does), measured against the read's policy
+version; every handed sample adds to the run's `staleness_hist:<staleness>` counter, and a stale group a
+`keep` run hands over to `stale_kept_groups`. Stale groups the read dropped or sent back for a new rollout
+are listed in `stale_dropped_groups` / `stale_requeued_groups`.
 """
 
 from __future__ import annotations
@@ -12,17 +21,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Any
 
-from rollout_buffer import handover
+from rollout_buffer import group_filter, handover
 from rollout_buffer.handover import ReadBatch
 from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskModule
+from rollout_buffer.versions import record_version, staleness_summary
 
 log = logging.getLogger(__name__)
 
 
 def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_valid_group_size: int,
+                 dynamic: group_filter.GroupFilter | None = None,
                  ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, list[dict[str, Any]]]]:
     records: list[dict[str, Any]] = []
     finished: list[str] = []
@@ -30,6 +42,7 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
     filtered: list[str] = []
     hook_errors: list[str] = []
     failed: list[str] = []  # groups whose members all failed: the trainer side stops on a run of them
+    dropped_by: Counter[str] = Counter()  # the group filter's drops, by reason
     temp_data: dict[str, list[dict[str, Any]]] = {}
     for group in batch.groups:
         items = group.records
@@ -40,6 +53,16 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
         if items and all(item.get("status") == "failed" for item in items):
             failed.append(group.instance_id)
         temp_data.setdefault(group.instance_id, []).extend(items)
+        if dynamic is not None:
+            try:
+                reason = dynamic.judge(group.instance_id, items, min_valid_group_size, task_type)
+            except Exception:  # a buggy filter drops its group, visibly, instead of failing the read
+                log.exception("group filter %s failed on instance %s", dynamic.spec, group.instance_id)
+                reason = "group_filter_error"
+            if reason is not None:
+                dropped_by[reason] += 1
+                filtered.append(group.instance_id)
+                continue
         if task is None:
             records.extend(items)
             continue
@@ -56,8 +79,26 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
         else:
             filtered.append(group.instance_id)
     info = {"finished_groups": finished, "finished_group_keys": finished_keys, "filtered_groups": filtered,
-            "hook_error_groups": hook_errors, "failed_groups": failed}
+            "hook_error_groups": hook_errors, "failed_groups": failed, "dynamic_filter": dict(dropped_by)}
     return records, info, temp_data
+
+
+def _staleness(batch: ReadBatch, records: list[dict[str, Any]], bound: int | None,
+               policy: str) -> tuple[dict[str, Any], int, dict[str, int]]:
+    """(meta_info.staleness, versioned samples, counters for the run's stats) of the handed samples."""
+    versions = [record_version(r) for r in records]
+    summary, hist = staleness_summary(batch.policy_version, versions, bound)
+    counts = {f"staleness_hist:{value}": n for value, n in hist.items()}
+    if policy == "keep" and bound is not None and batch.policy_version is not None:
+        oldest: dict[tuple[Any, str], int] = {}
+        for record, version in zip(records, versions):
+            if version is not None:
+                key = (record.get("epoch"), str(record["instance_id"]))
+                oldest[key] = min(version, oldest.get(key, version))
+        kept = sum(1 for v in oldest.values() if batch.policy_version - v > bound)
+        if kept:
+            counts["stale_kept_groups"] = kept
+    return summary, sum(hist.values()), counts
 
 
 def _meta_info(batch: ReadBatch, info: dict[str, Any], records: list[dict[str, Any]],
@@ -85,14 +126,37 @@ def _meta_info(batch: ReadBatch, info: dict[str, Any], records: list[dict[str, A
     return meta
 
 
+def _stale_totals(stats: dict[str, float]) -> dict[str, Any]:
+    """The run's cumulative staleness counts and the share of started groups thrown away as stale."""
+    totals = {name: int(stats.get(name, 0)) for name in (
+        "groups_started", "groups_consumed", "stale_requeued_groups", "stale_dropped_groups", "stale_kept_groups")}
+    wasted = totals["stale_requeued_groups"] + totals["stale_dropped_groups"]
+    totals["wasted_share"] = wasted / totals["groups_started"] if totals["groups_started"] else 0.0
+    return totals
+
+
 async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, *, num: int | None,
                             wait_s: float, min_valid_group_size: int, lease_s: float = 0.0,
-                            batch_id: str = "") -> dict[str, Any]:
+                            batch_id: str = "", policy_version: int | None = None,
+                            run_meta: dict[str, str] | None = None) -> dict[str, Any]:
     """The `/get_rollout_data` answer for `run_id` (see DESIGN.md's wire contract). With `lease_s` the
-    groups are leased under `batch_id` until acknowledged (`handover.ack_batch`)."""
+    groups are leased under `batch_id` until acknowledged (`handover.ack_batch`). `policy_version` is the
+    reader's; `run_meta` the run's meta (its staleness bound, stale policy, group filter, group size)."""
+    meta_fields = run_meta or {}
+    bound = int(meta_fields["max_staleness"]) if meta_fields.get("max_staleness") else None
+    policy = meta_fields.get("stale_policy") or "requeue"
+    group_size = int(meta_fields.get("group_size") or 0)
+    asked = num // group_size if num is not None and group_size else 0
+    if policy_version is not None:  # recorded (and announced to the workers) before any waiting
+        await store.set_policy_version(run_id, policy_version)
     deadline = time.monotonic() + wait_s
+    requeued: list[str] = []
+    dropped: list[str] = []
     while True:
-        batch = await handover.read_ready(store, run_id, num, lease_s=lease_s, batch_id=batch_id)
+        batch = await handover.read_ready(store, run_id, num, lease_s=lease_s, batch_id=batch_id,
+                                          policy_version=policy_version, asked_groups=asked)
+        requeued += batch.requeued
+        dropped += batch.dropped
         if batch.kind == "acked":
             return empty(f"batch {batch_id} was already acknowledged; read with a new batch_id for more data",
                          {"batch_id": batch_id, "acknowledged": True})
@@ -104,18 +168,37 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
                          "ask for at least one whole group")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return empty("no group is ready")
+            return empty("no group is ready", _stale_lists(requeued, dropped) if requeued or dropped else None)
         await handover.wait_for_ready(store, run_id, remaining)
     task_type = task.task_type if task else ""
-    records, info, temp_data = await asyncio.to_thread(_apply_hooks, batch, task, task_type, min_valid_group_size)
+    dynamic, unavailable = _group_filter(meta_fields.get("group_filter"), len(batch.groups))
+    records, info, temp_data = await asyncio.to_thread(_apply_hooks, batch, task, task_type, min_valid_group_size,
+                                                       dynamic)
     filtered, hook_errors = len(info["filtered_groups"]), len(info["hook_error_groups"])
+    staleness, versioned, counts = _staleness(batch, records, bound, policy)
+    if unavailable:
+        counts["group_filter_unavailable"] = unavailable
+    replace = sum(info["dynamic_filter"].values())
+    if replace:
+        counts["groups_filtered"] = replace
+        for reason, n in info["dynamic_filter"].items():
+            counts[f"drop:{reason}"] = counts.get(f"drop:{reason}", 0) + n
+    task_filtered = filtered - replace
     if batch.kind == "leased":
-        await handover.set_lease_outcome(store, run_id, batch_id, filtered=filtered, hook_errors=hook_errors)
+        await handover.set_lease_outcome(store, run_id, batch_id, filtered=task_filtered, hook_errors=hook_errors,
+                                         counts=counts, extend=replace)
     elif batch.kind == "handed":
-        await store.incr_stats(run_id, {"groups_filtered": filtered, "drop:filtered_group": filtered,
-                                        "drop:hook_error": hook_errors})
-    meta = _meta_info(batch, info, records, await store.stats(run_id))
-    meta["run_id"] = run_id
+        totals = Counter(counts)
+        totals.update({"groups_filtered": task_filtered, "drop:filtered_group": task_filtered,
+                       "drop:hook_error": hook_errors})
+        await store.incr_stats(run_id, dict(totals))
+        await handover.extend_stream(store, run_id, replace, filtered=filtered)
+    stats = await store.stats(run_id)
+    meta = _meta_info(batch, info, records, stats)
+    meta.update(_stale_lists(requeued, dropped))
+    meta.update({"run_id": run_id, "policy_version": batch.policy_version, "staleness": staleness,
+                 "staleness_samples": versioned, "max_staleness": bound, "stale_policy": policy,
+                 "stale_totals": _stale_totals(stats)})
     if task is not None and task.get_group_data_meta_info is not None:
         try:
             meta.update(task.get_group_data_meta_info(temp_data))
@@ -127,6 +210,22 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
                    + (f" (batch {batch_id}, leased for {batch.lease_s:g} s)" if batch_id else ""),
         "data": {"data": records, "meta_info": meta},
     }
+
+
+def _group_filter(spec: str | None, groups: int) -> tuple[group_filter.GroupFilter | None, int]:
+    """The run's filter, or (None, groups) when this process cannot load it (another API process's import
+    path): the groups are then handed over unfiltered, and counted as such, rather than failing the read."""
+    if not spec:
+        return None, 0
+    try:
+        return group_filter.load(spec), 0
+    except group_filter.GroupFilterError as exc:
+        log.error("group filter %r cannot be loaded here (%s); %d group(s) handed over unfiltered", spec, exc, groups)
+        return None, groups
+
+
+def _stale_lists(requeued: list[str], dropped: list[str]) -> dict[str, list[str]]:
+    return {"stale_requeued_groups": requeued, "stale_dropped_groups": dropped}
 
 
 def empty(message: str, meta_info: dict[str, Any] | None = None) -> dict[str, Any]:

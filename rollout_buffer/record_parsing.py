@@ -8,7 +8,7 @@ parsed document; only the small rest of the record (messages, reward, ...) goes 
 model, whose rules are unchanged.
 
 Anything unusual about the turns (a missing key, a number that is not an integer, a logprob that is not
-finite) makes the fast path step aside: the record is then parsed by the pydantic model alone, so every
+finite, per-token `version_spans`) makes the fast path step aside: the record is then parsed by the pydantic model alone, so every
 refusal keeps its exact message. Results are identical either way (`tests/test_record_parsing.py`).
 """
 
@@ -87,6 +87,8 @@ def _ids(turn: simdjson.Object, key: str) -> np.ndarray:
 def _turn(turn: Any) -> ArrayTurn:
     if not isinstance(turn, simdjson.Object):
         raise _Unusual("turn")
+    if turn.get("version_spans") is not None:  # rare in an HTTP write (workers stamp them): the model's rules
+        raise _Unusual("version_spans")
     prompt, output = _ids(turn, "prompt_ids"), _ids(turn, "output_ids")
     raw = turn.get("output_logprobs")
     logprobs = None

@@ -17,6 +17,9 @@ so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every 
 trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
 and batches leased to the previous trainer session are released at once (one trainer per run).
 
+The trainer's `policy_version` and `rollout_batch_size` are not part of a run's identity; its staleness
+bound and group filter are (`rollout_buffer.run_policy`), and are checked before anything is stored.
+
 Pass `run_id` explicitly to start a separate run with the same settings. A run started with
 `"activate": false` (the adapter's evaluation runs) does not become the active run, the one that writes
 and reads without a `run_id` go to; its data is reached by its `run_id` only.
@@ -38,6 +41,7 @@ import orjson
 from rollout_buffer import handover, keys
 from rollout_buffer.input_file import InputFileError, iter_lines
 from rollout_buffer.input_keys import InputKeyError, InputKeys, normalise
+from rollout_buffer.run_policy import PolicyError, RunPolicy
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.store import Store
 from rollout_buffer.task_contract import VALIDATE_LINES, InvalidSample
@@ -47,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # Fields that do not change what a run produces, so they do not change its id.
 _NOT_IDENTITY = {"skip_instance_ids", "skip_groups", "remote_buffer_url", "remote_engine_url", "num_process",
-                 "run_id", "activate"}
+                 "run_id", "activate", "policy_version", "rollout_batch_size"}
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -69,6 +73,7 @@ class RunSpec:
     task: TaskModule
     created: bool
     excluded_groups: set[str] = field(default_factory=set)
+    policy: RunPolicy | None = None
 
     @property
     def group_size(self) -> int:
@@ -196,6 +201,10 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     """Create (or find) the run, record what was trained, make it the active run. Launching is the
     caller's. Everything that can refuse the request runs before anything is stored."""
     task = validate_start(request, registry)
+    try:
+        policy = RunPolicy.from_request(request, task.kind)
+    except PolicyError as exc:
+        raise StartRolloutError(exc.field, exc.message) from exc
     if runtime is not None:
         await runtime.check(request, task)
     await asyncio.to_thread(check_input_lines, request, task)
@@ -218,8 +227,10 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     config["run_id"] = run_id
     created = await store.create_run(
         run_id, config, group_size=request.num_repeat_per_sample, num_epoch=request.num_epoch,
-        task_type=request.task_type,
+        task_type=request.task_type, extra_meta=policy.meta(),
     )
+    if not created and policy.policy_version is not None:
+        await store.set_policy_version(run_id, policy.policy_version)
     await store.add_skip_groups(run_id, trained)
     if not created:
         released = await handover.expire_leases(store, run_id, release_all=True)
@@ -228,4 +239,5 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     if activates(request):
         await store.set_active_run(run_id)
     excluded = await store.skip_groups(run_id) | await store.handed_groups(run_id)
-    return RunSpec(run_id=run_id, request=request, task=task, created=created, excluded_groups=excluded)
+    return RunSpec(run_id=run_id, request=request, task=task, created=created, excluded_groups=excluded,
+                   policy=policy)

@@ -26,6 +26,19 @@ class Turn(BaseModel):
     output_logprobs: list[float] | None = None
     finish_reason: str | None = None
     weight_version: str | int | None = None
+    # `[[version, output tokens], ...]` over output_ids, when the turn was generated under more than one
+    # policy version (an abort continued under a new one); `weight_version` is then the oldest.
+    version_spans: list[tuple[int | None, int]] | None = None
+
+    @model_validator(mode="after")
+    def _spans_cover_outputs(self) -> "Turn":
+        if self.version_spans is not None:
+            if any(count < 0 for _, count in self.version_spans):
+                raise ValueError("turns[].version_spans counts must be >= 0")
+            covered = sum(count for _, count in self.version_spans)
+            if covered != len(self.output_ids):
+                raise ValueError(f"turns[].version_spans cover {covered} tokens, output_ids has {len(self.output_ids)}")
+        return self
 
     @model_validator(mode="after")
     def _logprobs_match_outputs(self) -> "Turn":
@@ -65,6 +78,12 @@ class TrajectoryRecord(BaseModel):
     turns: list[Turn] | None = None
     run_id: str | None = None
     epoch: int | None = None
+    # The policy version the record was generated under: its oldest turn's (see rollout_buffer.versions);
+    # derived from the turns when absent.
+    policy_version: int | None = Field(default=None, ge=0)
+    # Which rollout of its group this record belongs to (0, then 1, 2, ... for groups rolled out again);
+    # the runtime sets it, and a write of an older generation is refused.
+    generation: int | None = Field(default=None, ge=0)
 
     def to_store(self) -> dict[str, Any]:
         """The record as the store packs it: plain fields, and the validated turn objects as they are
@@ -166,6 +185,9 @@ class GetRolloutDataRequest(BaseModel):
     lease_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
     batch_id: str | None = Field(default=None, pattern=BATCH_ID_PATTERN)
     ack: list[Annotated[str, Field(pattern=BATCH_ID_PATTERN)]] = Field(default_factory=list, max_length=1000)
+    # The trainer's policy version (slime: the rollout id): recorded as the run's, and what this read's
+    # staleness is measured against.
+    policy_version: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _batch_needs_lease(self) -> "GetRolloutDataRequest":
@@ -196,3 +218,13 @@ class BatchWriteRequest(BaseModel):
     records: list[TrajectoryRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
     run_id: str | None = None
 
+
+
+class PolicyVersionRequest(BaseModel):
+    """Body of `/policy_version`: the trainer's policy version, for trainers that do not send it with
+    their reads. `abort_in_flight` aborts the engine's in-flight generations (they continue under the new
+    version, recorded per turn)."""
+
+    version: int = Field(ge=0)
+    run_id: str | None = None
+    abort_in_flight: bool = False

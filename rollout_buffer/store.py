@@ -17,11 +17,13 @@ import redis.asyncio as aioredis
 from rollout_buffer import keys, lua
 from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.packing import pack_record
+from rollout_buffer.versions import record_version
 
 SOCKET_TIMEOUT_S = 30.0
 POOL_WAIT_S = 30.0
 # Run statuses after which nothing more is generated for a run.
 TERMINAL_STATUSES = ("finished", "failed", "superseded", "deleted")
+RUN_EVENTS_MAXLEN = 1000
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class Store:
         self.redis = client
         self.scripts = {name: client.register_script(getattr(lua, name)) for name in (
             "WRITE_RECORD", "READ_READY", "ACK_BATCH", "SET_LEASE_OUTCOME", "EXPIRE_LEASES", "EXPIRE_GROUPS",
-            "INCR_STATS")}
+            "INCR_STATS", "EXTEND_GROUPS", "SET_POLICY_VERSION")}
         self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
 
     @classmethod
@@ -81,13 +83,15 @@ class Store:
     # ----- runs -------------------------------------------------------------------------------
 
     async def create_run(self, run_id: str, config: dict[str, Any], *, group_size: int, num_epoch: int,
-                         task_type: str) -> bool:
-        """Record a run; returns False when it already exists (its stored settings are kept)."""
+                         task_type: str, extra_meta: dict[str, Any] | None = None) -> bool:
+        """Record a run; returns False when it already exists (its stored settings are kept). `extra_meta`:
+        more fields of the run's meta (its staleness and filter policy, read by the scripts)."""
         created = await self.redis.hsetnx(keys.RUNS, run_id, orjson.dumps(config))
         if created:
             await self.redis.hset(
                 keys.run_meta(run_id),
                 mapping={
+                    **(extra_meta or {}),
                     "group_size": group_size,
                     "num_epoch": num_epoch,
                     "task_type": task_type,
@@ -96,6 +100,25 @@ class Store:
                 },
             )
         return bool(created)
+
+    async def set_policy_version(self, run_id: str, version: int) -> tuple[bool, int | None]:
+        """Record the trainer's policy version for a live run: (the run is live, the previous version or
+        None); a change is announced to the workers. Never re-creates the meta of a deleted run."""
+        live, previous = await self.script("SET_POLICY_VERSION", [keys.run_meta(run_id), keys.stats(run_id)],
+                                           [version])
+        before = None if previous in (None, b"", "") else int(previous)
+        if live and before != version:
+            await self.announce_run(run_id, policy_version=version)
+        return bool(live), before
+
+    async def announce_run(self, run_id: str, *, policy_version: int | None = None) -> None:
+        """Tell every worker, on any machine, that a run was launched, has new tasks, or a new policy
+        version (XREAD BLOCK on the run-events stream; a worker serves a running run it is not serving
+        yet, and stamps engine calls with the version)."""
+        fields: dict[Any, Any] = {"run_id": run_id}
+        if policy_version is not None:
+            fields["policy_version"] = policy_version
+        await self.redis.xadd(keys.RUN_EVENTS, fields, maxlen=RUN_EVENTS_MAXLEN, approximate=True)
 
     async def set_active_run(self, run_id: str) -> None:
         await self.redis.set(keys.ACTIVE_RUN, run_id)
@@ -172,11 +195,14 @@ class Store:
             keys.records(run_id), keys.pending(run_id), keys.ready(run_id), keys.stats(run_id),
             keys.since(run_id), keys.wake(run_id), keys.skip(run_id), keys.closed(run_id),
             keys.run_meta(run_id), keys.since_groups(run_id), keys.uids(run_id), keys.gsize(run_id),
-            keys.members(run_id),
+            keys.members(run_id), keys.group_version(run_id), keys.group_generation(run_id),
         ]
+        version = record_version(record)
+        generation = record.get("generation")
         args = [
             record["uid"], blob, record["instance_id"], -1 if epoch is None else int(epoch), time.time(),
             repr(float(record["reward"])), record.get("status") or "completed",
+            "" if version is None else version, "" if generation is None else int(generation),
         ]
         return self.scripts["WRITE_RECORD"], write_keys, args
 
@@ -197,7 +223,7 @@ class Store:
                             blobs: list[bytes] | None = None) -> list[WriteOutcome]:
         """Many writes in one round trip (a pipeline of the same atomic script), outcomes in order.
         With `blobs`, the records come already packed (with this run_id) and `records` carry only the
-        fields the script needs (uid, instance_id, epoch, reward, status)."""
+        fields the script needs (uid, instance_id, epoch, reward, status, versions, generation)."""
         if not records:
             return []
         calls = [self._write_call(run_id, record, None if blobs is None else blobs[i])

@@ -36,8 +36,11 @@ What the runtime does for a native module (`rollout_buffer.runtime`):
 
 * One task per (epoch, input line, repeat), enqueued up front on the run's Redis stream. The record's
   `uid` is `{run_id}:{epoch}:{instance_id}:{repeat}`, so a task done twice is stored once.
-* It fills in `uid, instance_id, epoch, repeat, attempt, timestamp, duration_s`, `turns` (from
-  `ctx.engine.turns`), `tools`, `weight_version` (of the first engine call), `finish_reason` (of the last),
+* It fills in `uid, instance_id, epoch, repeat, attempt, timestamp, duration_s`, `generation` (of the
+  group: 1, 2, ... when a stale group is rolled out again, and then the uid ends in `@<generation>`),
+  `policy_version` (the oldest version its engine calls were stamped with, see `rollout_buffer.versions`),
+  `turns` (from `ctx.engine.turns`), `tools`, `weight_version` (of the first engine call),
+  `finish_reason` (of the last),
   and `status` when the task gives none: `truncated` if the last generation hit the token limit, `aborted`
   if it stayed aborted, else `completed`.
 * An exception, an `EngineError` (after the client's retries), a `HistoryRewriteError`, a result without
@@ -67,7 +70,8 @@ class ChatResult:
 
     message: dict[str, Any]
     finish_reason: str
-    turn: dict[str, Any] | None = None  # {prompt_ids, output_ids, output_logprobs, finish_reason, weight_version}
+    # {prompt_ids, output_ids, output_logprobs, finish_reason, weight_version[, version_spans]}
+    turn: dict[str, Any] | None = None
 
 
 @runtime_checkable

@@ -11,6 +11,9 @@ checkpoint roll out exactly the groups it has not trained, in every epoch.
 Delivery is exactly-once in effect: every read leases its batch under a batch id this adapter chooses; an
 answer lost on the way (timeout, dropped connection) is read again with the same id and gives the same
 batch; a batch is acknowledged only once its samples are in the data buffer and its keys in the metadata.
+Every read sends the trainer's policy version (`rollout_id`), which the buffer measures staleness
+against; the run's bound and group filter (`agent_max_staleness`, `agent_group_filter`) are the buffer's
+to enforce, and a step still gets full batches (the buffer replaces what it drops).
 
 slime's data buffer asserts groups of exactly `n_samples_per_prompt` samples: a forked token-path record
 keeps only its last piece by default (`agent_fork_policy`, see `AgentRolloutSettings`), and a buffer whose
@@ -26,6 +29,7 @@ the result is a `RolloutFnTrainOutput(samples, metrics)` (`slime_adapter.outputs
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import threading
@@ -277,11 +281,12 @@ def _backoff_s(settings: AgentRolloutSettings, failures: int) -> float:
 
 
 async def _ensure_started(settings: AgentRolloutSettings, state: AgentRolloutState, args: Any,
-                          data_buffer: Any) -> None:
+                          data_buffer: Any, rollout_id: int) -> None:
     if state.started:
         return
     metadata = data_buffer.get_metadata() or {}
-    answer = await asyncio.to_thread(start_rollout, settings.buffer_url, args, metadata)
+    answer = await asyncio.to_thread(functools.partial(start_rollout, settings.buffer_url, args, metadata,
+                                                       policy_version=rollout_id))
     state.started, state.run_id, state.start_answer = True, answer.get("run_id"), answer
 
 
@@ -332,7 +337,7 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
         try:
             records, meta, message = await fetch_rollout_data(
                 settings.buffer_url, num, settings.fetch_timeout_s, run_id=state.run_id, lease_s=settings.lease_s,
-                batch_id=batch_id, ack=acks, wait_s=0.0 if enough else None)
+                batch_id=batch_id, ack=acks, wait_s=0.0 if enough else None, policy_version=step.rollout_id)
         except RunSuperseded as exc:
             log.warning("rollout %d: %s; reading %s from now on", step.rollout_id, exc, exc.successor)
             state.run_id, state.pending_acks, batch_id = exc.successor, [], _new_batch_id()
@@ -388,7 +393,7 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
         return await evaluate(args, rollout_id)
     settings = AgentRolloutSettings.from_args(args)
     state = _STATE
-    await _ensure_started(settings, state, args, data_buffer)
+    await _ensure_started(settings, state, args, data_buffer, rollout_id)
     buffered = _buffered_groups(data_buffer)
     need = settings.rollout_batch_size - buffered
     metrics: dict[str, Any] | None = None

@@ -32,6 +32,7 @@ __all__ = [
     "resume_keys_from_metadata",
     "post_start_rollout",
     "skip_ids_from_metadata",
+    "staleness_fields",
     "start_rollout",
 ]
 
@@ -149,16 +150,34 @@ def _post_start(client: httpx.Client, url: str, payload: dict[str, Any]) -> dict
     return body
 
 
-def start_rollout(api_base_url: str, args: Any, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def staleness_fields(settings: AgentRolloutSettings, policy_version: int | None) -> dict[str, Any]:
+    """The training run's staleness bound, group filter and the trainer's policy version (its rollout id),
+    for `/start_rollout`; only what is set. Not part of evaluation runs."""
+    fields: dict[str, Any] = {}
+    if settings.max_staleness is not None:
+        fields["max_staleness"] = str(settings.max_staleness)
+        fields["rollout_batch_size"] = str(settings.rollout_batch_size)
+    if settings.stale_policy is not None:
+        fields["stale_policy"] = settings.stale_policy
+    if settings.group_filter is not None:
+        fields["group_filter"] = settings.group_filter
+    if policy_version is not None:
+        fields["policy_version"] = str(policy_version)
+    return fields
+
+
+def start_rollout(api_base_url: str, args: Any, metadata: Mapping[str, Any] | None, *,
+                  policy_version: int | None = None) -> dict[str, Any]:
     """Start (or resume) the buffer's run for these `args`; returns the buffer's answer
     (`message`, `run_id`, `created`, `skipped_instance_ids`).
 
-    Skip ids are the union of `metadata`'s lists. Connection failures and 5xx are retried
+    Skip ids are the union of `metadata`'s lists. `policy_version` is the trainer's (its rollout id) and
+    goes with the run's staleness settings (`staleness_fields`). Connection failures and 5xx are retried
     `agent_start_rollout_attempts` times with exponential backoff, then `BufferUnavailableError`;
     a 4xx raises `StartRolloutRejected` at once with the buffer's message.
     """
     settings = AgentRolloutSettings.from_args(args)
-    payload = build_start_payload(settings, metadata)
+    payload = {**build_start_payload(settings, metadata), **staleness_fields(settings, policy_version)}
     log.info("starting rollout run at %s: task %s, %d skip id(s)", api_base_url, settings.task_type,
              len(payload["skip_instance_ids"]))
     return post_start_rollout(api_base_url, payload, settings)
@@ -276,6 +295,7 @@ def _message_of(text: str) -> str:
 async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
                              run_id: str | None = None, lease_s: float | None = None, batch_id: str | None = None,
                              ack: list[str] | None = None, wait_s: float | None = None,
+                             policy_version: int | None = None,
                              ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """`get_rollout_data` plus the buffer's `message`: when nothing is handed over, the message is the
     only place the buffer says why (nothing ready yet, or `num` smaller than the next group). `wait_s`
@@ -283,8 +303,11 @@ async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout:
 
     With `lease_s` the batch is leased under `batch_id` (reading it again returns the same batch: retry
     with the same id after a lost answer) until acknowledged; `ack` acknowledges earlier batches in the
-    same request. A superseded run raises `RunSuperseded`."""
+    same request. `policy_version` is the trainer's (the buffer measures staleness against it). A
+    superseded run raises `RunSuperseded`."""
     payload: dict[str, Any] = {"wait_s": long_poll_wait_s(timeout) if wait_s is None else wait_s}
+    if policy_version is not None:
+        payload["policy_version"] = int(policy_version)
     if num is not None:
         payload["num"] = int(num)
     if run_id is not None:

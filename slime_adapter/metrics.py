@@ -3,6 +3,12 @@
 `meta_info` counts (samples, groups, rewards, statuses) are over everything written since the previous
 read, so a step's totals are the sums over its reads; `drops` are run totals, so the last read's value is
 the current one. Token statistics come from the samples the trainer actually receives.
+
+Staleness: `rollout/staleness_{min,mean,max}` over the step's handed samples (each read's
+`meta_info.staleness`, the mean weighted by its versioned samples), `rollout/staleness_over_bound`,
+`rollout/stale_requeued` (the run's share of started groups thrown away as stale: requeued or dropped),
+`rollout/stale_requeued_groups` and `rollout/stale_dropped_groups` (this step's), and the group filter's
+drops as `rollout/dynamic_filter/drop_<reason>` (slime's names).
 """
 
 from __future__ import annotations
@@ -42,7 +48,34 @@ def aggregate_meta_info(all_meta_info: Sequence[dict[str, Any]]) -> dict[str, An
         "returned_samples": sum(int(m.get("returned_samples", 0)) for m in metas),
         "drops": dict(metas[-1].get("drops") or {}) if metas else {},
         "reads": len(metas),
+        "staleness": _staleness(metas),
+        "dynamic_filter": _sum_dicts(m.get("dynamic_filter") for m in metas),
+        "stale_requeued_groups": sum(len(m.get("stale_requeued_groups") or []) for m in metas),
+        "stale_dropped_groups": sum(len(m.get("stale_dropped_groups") or []) for m in metas),
+        "wasted_share": next((float(m["stale_totals"].get("wasted_share", 0.0)) for m in reversed(metas)
+                              if isinstance(m.get("stale_totals"), dict)), None),
     }
+
+
+def _staleness(metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One step's staleness from its reads' `{min, mean, max, over_bound}` summaries."""
+    parts = [(m["staleness"], int(m.get("staleness_samples") or 0)) for m in metas
+             if isinstance(m.get("staleness"), dict) and m["staleness"].get("max") is not None]
+    over = sum(int(m["staleness"].get("over_bound") or 0) for m in metas if isinstance(m.get("staleness"), dict))
+    if not parts:
+        return {"min": None, "mean": None, "max": None, "over_bound": over}
+    weights = [max(n, 1) for _, n in parts]
+    mean = sum(float(p["mean"]) * w for (p, _), w in zip(parts, weights)) / sum(weights)
+    return {"min": min(p["min"] for p, _ in parts), "mean": mean, "max": max(p["max"] for p, _ in parts),
+            "over_bound": over}
+
+
+def _sum_dicts(items: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for item in items:
+        for key, value in (item or {}).items():
+            total[str(key)] = total.get(str(key), 0) + int(value)
+    return total
 
 
 def _count(value: Any) -> int:
@@ -77,6 +110,17 @@ def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats |
         out[f"rollout/status/{status}"] = count
     for reason, count in sorted(agg["drops"].items()):
         out[f"rollout/drops/{reason}"] = count
+    for reason, count in sorted(agg["dynamic_filter"].items()):
+        out[f"rollout/dynamic_filter/drop_{reason}"] = count
+    staleness = agg["staleness"]
+    for name in ("min", "mean", "max"):
+        if staleness[name] is not None:
+            out[f"rollout/staleness_{name}"] = staleness[name]
+    out["rollout/staleness_over_bound"] = staleness["over_bound"]
+    out["rollout/stale_requeued_groups"] = agg["stale_requeued_groups"]
+    out["rollout/stale_dropped_groups"] = agg["stale_dropped_groups"]
+    if agg["wasted_share"] is not None:
+        out["rollout/stale_requeued"] = agg["wasted_share"]
     if stats is not None:
         lengths = [p["response_tokens"] for p in stats.pieces]
         generated = [p["generated_tokens"] for p in stats.pieces]

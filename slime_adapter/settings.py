@@ -21,6 +21,8 @@ DEFAULT_BUFFER_URL = "http://127.0.0.1:8889"
 DEFAULT_NUM_EPOCH = 3
 # what the trainer receives from a token-path record whose history forked (see `fork_policy`)
 FORK_POLICIES: tuple[str, ...] = ("last", "all")
+# what the buffer does with a group staler than `max_staleness` (rollout_buffer.run_policy)
+STALE_POLICIES: tuple[str, ...] = ("requeue", "drop", "keep")
 # how the message path checks its tokens against the chat template: LOSS_MASK_VERIFY_MODES, from loss_mask
 
 
@@ -132,6 +134,13 @@ class AgentRolloutSettings:
     - `loss_mask_verify` (`agent_loss_mask_verify`): "cheap". How records without `turns` check their
       re-rendered tokens: "cheap" invariants, "full" (a second `apply_chat_template(tokenize=True)`
       compared token for token, twice the cost), or "off".
+    - `max_staleness` (`agent_max_staleness`): None (unbounded). Sent as the run's `max_staleness`, with
+      `rollout_batch_size` (the admission rule's groups per read): no handed sample is more policy versions
+      old than this; every read sends `policy_version = rollout_id`.
+    - `stale_policy` (`agent_stale_policy`): None (the buffer's default, "requeue"); "drop" or "keep".
+    - `group_filter` (`agent_group_filter`): None. "nonzero_std" (DAPO's dynamic sampling) or a dotted path
+      to an `is_valid_group` function importable by the buffer; dropped groups are replaced by the buffer,
+      so steps stay full, and counted as `rollout/dynamic_filter/drop_<reason>`.
     """
 
     buffer_url: str = DEFAULT_BUFFER_URL
@@ -170,6 +179,9 @@ class AgentRolloutSettings:
     stop_token_ids: list[int] | None = None
     min_batch_collection_ratio: float = 1.0
     max_failed_groups: int = 8
+    max_staleness: int | None = None
+    stale_policy: str | None = None
+    group_filter: str | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -183,6 +195,7 @@ class AgentRolloutSettings:
         engine_url = f"http://{ip}:{port}" if ip and port else ""
         max_len = getattr(args, "rollout_max_response_len", None)
         global_batch = getattr(args, "global_batch_size", None)
+        max_staleness = _get(args, "agent_max_staleness", None)
         settings = cls(
             buffer_url=str(url).rstrip("/"),
             loss_mask_type=str(_get(args, "loss_mask_type", "qwen")),
@@ -220,6 +233,9 @@ class AgentRolloutSettings:
             stop_token_ids=_list_or_none(_get(args, "rollout_stop_token_ids", None), int),
             min_batch_collection_ratio=float(_get(args, "min_batch_collection_ratio", 1.0)),
             max_failed_groups=max(8, batch) if failed_groups is None else int(failed_groups),
+            max_staleness=None if max_staleness is None else int(max_staleness),
+            stale_policy=_get(args, "agent_stale_policy", None),
+            group_filter=_get(args, "agent_group_filter", None),
         )
         settings.check()
         return settings
@@ -244,6 +260,10 @@ class AgentRolloutSettings:
             raise ValueError(f"min_batch_collection_ratio must be in (0, 1], got {self.min_batch_collection_ratio}")
         if self.max_failed_groups < 0:
             raise ValueError(f"agent_max_consecutive_failed_groups must be >= 0 (0: off), got {self.max_failed_groups}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"agent_max_staleness must be >= 0, got {self.max_staleness}")
+        if self.stale_policy is not None and self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"agent_stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
         if self.loss_mask_verify not in LOSS_MASK_VERIFY_MODES:
             raise ValueError(f"agent_loss_mask_verify must be one of {LOSS_MASK_VERIFY_MODES}, "
                              f"got {self.loss_mask_verify!r}")

@@ -133,3 +133,14 @@ def test_any_valid_record_stores_the_same_bytes_either_way(turns: list[dict[str,
                                                            uid: str) -> None:
     body = orjson.dumps(_record(turns=turns, reward=reward, uid=uid))
     assert _fast_blob(body) == _slow_blob(body)
+
+
+def test_turns_with_version_spans_take_the_models_path_and_keep_them() -> None:
+    turn = {"prompt_ids": [1, 2], "output_ids": [3, 4, 5], "output_logprobs": [-0.1, -0.2, -0.3],
+            "weight_version": 4, "version_spans": [[4, 2], [5, 1]]}
+    body = orjson.dumps(_record(turns=[turn], policy_version=4, generation=1))
+    parsed = parse_record(body)
+    assert parsed.array_turns is None, "per-token versions go through the model"
+    assert _fast_blob(body) == _slow_blob(body)
+    stored = unpack_record(_fast_blob(body))
+    assert stored["policy_version"] == 4 and stored["generation"] == 1

@@ -2,7 +2,8 @@
 
 * `runs`: `POST /start_rollout`, `GET /runs`, `GET /runs/{run_id}`
 * `writes`: `POST /buffer/write`, `/buffer/write_batch`, `/buffer/write_packed`
-* `reads`: `POST /get_rollout_data`
+* `reads`: `POST /get_rollout_data`, `POST /ack`
+* `policy`: `POST /policy_version`
 * `ops`: `GET /health`, `/tasks`, `/metrics`
 * `docs`: `GET /docs`, `/redoc` and their assets under `/static/docs` (no CDN)
 * `rollout_buffer.remote.routes`: `POST /init`, `GET /init/{rollout_id}`

@@ -43,7 +43,8 @@ async def _ack(state: AppState, run_id: str, batch_ids: list[str]) -> list[dict[
 async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None = None) -> Any:
     """Hand over ready groups, whole and in completion order; `num` caps the sample count. With `lease_s`
     the batch is leased until acknowledged (`ack` in a later read, or `POST /ack`); the same `batch_id`
-    read again returns the same batch."""
+    read again returns the same batch. `policy_version` (the trainer's) becomes the run's; groups staler
+    than the run's `max_staleness` are dropped or rolled out again instead of handed over."""
     state = state_of(request)
     body = body or GetRolloutDataRequest()
     run_id, meta, error = await _resolve_run(state, body.run_id)
@@ -60,7 +61,7 @@ async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None 
     batch_id = body.batch_id or (uuid.uuid4().hex if body.lease_s else "")
     answer = await read_rollout_data(state.store, run_id, task, num=body.num, wait_s=body.wait_s,
                                      min_valid_group_size=min_valid, lease_s=body.lease_s or 0.0,
-                                     batch_id=batch_id)
+                                     batch_id=batch_id, policy_version=body.policy_version, run_meta=meta)
     if acks:
         answer["data"]["meta_info"]["acks"] = acks
     state.reads.labels("data" if answer["success"] else "empty").inc()

@@ -1,7 +1,9 @@
 """OpenAI `/v1/chat/completions` client, for engines without `/generate`.
 
 It records messages only (no `turns`): the trainer then re-tokenizes the messages, which is marked as a
-fallback on its side. An aborted answer is continued with SGLang's `continue_final_message`.
+fallback on its side. An aborted answer is continued with SGLang's `continue_final_message`. Each call is
+stamped with a policy version like `/generate`'s pieces (SGLang's `metadata.weight_version`, else the
+run's policy version), which gives the record its `policy_version`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rollout_buffer.runtime.sglang_client import (
     merge_sampling,
 )
 from rollout_buffer.task_contract import ChatResult
+from rollout_buffer.versions import as_version
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,12 @@ def parse_chat_answer(answer: dict[str, Any]) -> tuple[dict[str, Any], str, int]
     return message, finish, int(usage.get("completion_tokens") or 0)
 
 
+def chat_weight_version(answer: dict[str, Any]) -> Any:
+    """SGLang's `metadata.weight_version` of a chat answer, when it gives one."""
+    metadata = answer.get("metadata")
+    return metadata.get("weight_version") if isinstance(metadata, dict) else None
+
+
 class ChatCompletionsClient(RolloutEngineSession):
     """One rollout's engine client for `/v1/chat/completions`; implements `task_contract.EngineClient`.
     Its `turns` stay empty: this API returns no token ids, so the trainer re-tokenizes the messages."""
@@ -70,6 +79,7 @@ class ChatCompletionsClient(RolloutEngineSession):
         used = 0
         message: dict[str, Any] = {"role": "assistant", "content": ""}
         finish = "length"
+        pieces: list[tuple[int | None, int]] = []
         for piece in range(self.max_abort_continuations + 1):
             if used >= budget:
                 finish = "length"
@@ -82,22 +92,26 @@ class ChatCompletionsClient(RolloutEngineSession):
                 body["messages"] = [*messages, {"role": "assistant", "content": message["content"]}]
                 body["continue_final_message"] = True
                 body["add_generation_prompt"] = False
-            part, finish, tokens = await self._call(body, f"{self.routing_key}:{self._calls}:{piece}")
+            started = await self.policy_version(fresh=piece > 0)
+            part, finish, tokens, version = await self._call(body, f"{self.routing_key}:{self._calls}:{piece}")
+            engine_version = as_version(version)
+            pieces.append((started if engine_version is None else engine_version, tokens))
             used += tokens
             message = _join(message, part)
             if finish != "abort":
                 break
             self.stats["engine_abort_continuations"] += 1
         self._calls += 1
+        self.stamp(pieces)
         self.guard.record(messages, tools, message)
         return ChatResult(message=message, finish_reason=finish, turn=None)
 
-    async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[dict[str, Any], str, int]:
-        async def attempt(number: int) -> tuple[dict[str, Any], str, int]:
+    async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[dict[str, Any], str, int, Any]:
+        async def attempt(number: int) -> tuple[dict[str, Any], str, int, Any]:
             answer = await post_once(self.session, f"{self.url}/v1/chat/completions",
                                      {**body, "rid": f"{rid_base}:{number}"},
                                      headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
-            return parse_chat_answer(answer)
+            return (*parse_chat_answer(answer), chat_weight_version(answer))
 
         def on_retry(error: BaseException) -> None:
             self.stats["engine_retries"] += 1

@@ -125,3 +125,22 @@ async def call_with_retries(attempt: Callable[[int], Awaitable[Any]], policy: Re
         return await retrying(again)
     except TransientEngineError as exc:
         raise EngineError(f"{exc} (gave up after {number} attempts)") from exc
+
+
+async def abort_all_requests(url: str, timeout_s: float = 10.0) -> None:
+    """Ask an SGLang engine (or router) to abort every request in flight (`POST /abort_request` with
+    `abort_all`); the aborted generations answer with finish reason `abort` and the clients continue them.
+    Raises EngineError naming the cause when the engine does not accept it."""
+    target = f"{url.rstrip('/')}/abort_request"
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                target, data=orjson.dumps({"rid": "", "abort_all": True}),
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            body = await response.read()
+            if response.status >= 400:
+                raise EngineError(f"{target} answered HTTP {response.status}: {body[:200]!r}")
+    except TimeoutError as exc:
+        raise EngineError(f"no answer from {target} within {timeout_s:g}s") from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise EngineError(f"{type(exc).__name__} talking to {target}: {exc}") from exc

@@ -6,6 +6,10 @@ the task cannot use), the task ends with a record, so its group completes. Only 
 after the lease. The task sees the input line normalised with the run's slime keys
 (`rollout_buffer.input_keys`); failures are counted by type and logged without flooding
 (`rollout_buffer.runtime.failure_log`).
+
+A task the admission rule holds back (`TaskQueue.start` says deferred) is not run and not acknowledged:
+the caller keeps it and tries again. Every record carries its group's `generation` and its
+`policy_version`: the oldest stamp of its engine calls, else the run's policy version when it started.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from rollout_buffer.input_keys import InputKeys, normalise, prompt_messages
 from rollout_buffer.runtime.engine_http import RetryPolicy
 from rollout_buffer.runtime.failure_log import FailureLog
 from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.runtime.policy_clock import PolicyClock
 from rollout_buffer.runtime.records import failure_record, success_record
 from rollout_buffer.runtime.sglang_client import GenerateClient
 from rollout_buffer.runtime.taskqueue import TERMINAL, Task, TaskQueue
@@ -51,10 +56,13 @@ class RunHandle:
     tokenizer: Any | None
     queue: TaskQueue
     failures: FailureLog | None = field(default=None)
+    clock: PolicyClock | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.failures is None:
             self.failures = FailureLog(self.run_id)
+        if self.clock is None:
+            self.clock = PolicyClock(self.queue.redis, self.run_id)
 
     @cached_property
     def input_keys(self) -> InputKeys:
@@ -68,10 +76,14 @@ class RunHandle:
         if opts.engine_api == "chat":
             return ChatCompletionsClient(session=session, url=opts.engine_url, model=opts.model, tools=self.task.tools,
                                          sampling_params=opts.sampling_params, policy=policy, routing_key=uid,
-                                         max_abort_continuations=opts.max_abort_continuations, stats=stats)
+                                         max_abort_continuations=opts.max_abort_continuations, stats=stats,
+                                         clock=self.clock)
         return GenerateClient(session=session, url=opts.engine_url, tokenizer=self.tokenizer, tools=self.task.tools,
                               sampling_params=opts.sampling_params, policy=policy, routing_key=uid,
-                              max_abort_continuations=opts.max_abort_continuations, stats=stats)
+                              max_abort_continuations=opts.max_abort_continuations, stats=stats, clock=self.clock)
+
+    async def policy_version(self) -> int | None:
+        return await self.clock.current() if self.clock is not None else None
 
 
 def _prompt_messages(handle: RunHandle, line: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -85,14 +97,18 @@ def _prompt_messages(handle: RunHandle, line: dict[str, Any] | None) -> list[dic
 
 async def execute(handle: RunHandle, task: Task, *, store: Store, session: aiohttp.ClientSession,
                   worker: str) -> str:
-    """Run one delivered task to its record; returns the state it ended in (done | failed | skipped)."""
+    """Run one delivered task to its record; returns the state it ended in (done | failed | skipped), or
+    `deferred` (admission is full: nothing was done, the task is still delivered to this worker)."""
     queue, uid = handle.queue, task.uid(handle.run_id)
     claim = await queue.start(task)
+    if claim.deferred:
+        return "deferred"
     if not claim.proceed:  # finished by someone else, its group skipped, or its run retired: acked
         return claim.previous if claim.previous in TERMINAL else "skipped"
     stats: Counter[str] = Counter()
     common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
-                              "repeat": task.repeat, "attempt": claim.attempt}
+                              "repeat": task.repeat, "attempt": claim.attempt, "generation": task.gen,
+                              "policy_version": await handle.policy_version()}
     if claim.sample is None:
         record = failure_record("input line not found in the run's stored samples", messages=[],
                                 tools=handle.task.tools, duration_s=0.0, error_type="MissingSample", **common)
@@ -120,6 +136,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
 async def _rollout(handle: RunHandle, task: Task, line: dict[str, Any], *, session: aiohttp.ClientSession,
                    uid: str, attempt: int, stats: Counter[str], worker: str, started: float) -> dict[str, Any]:
     client = handle.engine_client(session, uid, stats)
+    start_version = await handle.policy_version()
     logger = logging.LoggerAdapter(log, {"uid": uid, "worker": worker})
     ctx = RolloutContext(
         engine=client, tokenizer=handle.tokenizer, sampling_params=dict(handle.options.sampling_params),
@@ -128,7 +145,12 @@ async def _rollout(handle: RunHandle, task: Task, line: dict[str, Any], *, sessi
         extra={"options": handle.options.extra}, line=line,
     )
     common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
-                              "repeat": task.repeat, "attempt": attempt}
+                              "repeat": task.repeat, "attempt": attempt, "generation": task.gen}
+
+    def version() -> int | None:  # the oldest stamp of the calls made so far, else the start's version
+        stamps = getattr(client, "versions", None)
+        return min(stamps) if stamps else start_version
+
     limit = handle.options.rollout_timeout_s
     try:
         deadline = asyncio.timeout(limit)
@@ -144,14 +166,14 @@ async def _rollout(handle: RunHandle, task: Task, line: dict[str, Any], *, sessi
             raise RolloutTimeout(f"rollout did not finish within {limit:g}s") from exc
         last_finish = client.turns[-1]["finish_reason"] if client.turns else None
         return success_record(result, turns=client.turns, tools=_tools_of(client, handle), last_finish=last_finish,
-                              duration_s=time.monotonic() - started, **common)
+                              duration_s=time.monotonic() - started, policy_version=version(), **common)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - any task failure becomes a failure record
         logger.debug("rollout %s failed: %s: %s", uid, type(exc).__name__, exc)  # counted, see FailureLog
         conversation = getattr(client, "conversation", None) or _prompt_messages(handle, line)
         return failure_record(exc, messages=conversation, tools=_tools_of(client, handle),
-                              duration_s=time.monotonic() - started, **common)
+                              duration_s=time.monotonic() - started, policy_version=version(), **common)
 
 
 def _tools_of(client: EngineClient, handle: RunHandle) -> list[dict[str, Any]] | None:

@@ -12,7 +12,8 @@ from typing import Any
 from rollout_buffer.schema import TrajectoryRecord
 
 # Fields the runtime owns; a task's value for them is ignored.
-_RUNTIME_FIELDS = {"uid", "instance_id", "epoch", "run_id", "turns", "timestamp", "repeat", "attempt"}
+_RUNTIME_FIELDS = {"uid", "instance_id", "epoch", "run_id", "turns", "timestamp", "repeat", "attempt", "generation",
+                   "policy_version"}
 _FINISH_TO_STATUS = {"length": "truncated", "abort": "aborted"}
 
 
@@ -24,7 +25,8 @@ def status_from_turns(turns: list[dict[str, Any]], finish_reason: str | None) ->
 
 def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repeat: int, attempt: int,
                    turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                   last_finish: str | None, duration_s: float) -> dict[str, Any]:
+                   last_finish: str | None, duration_s: float, generation: int = 0,
+                   policy_version: int | None = None) -> dict[str, Any]:
     """Validate a task's result and complete it into a record; raises on a result that breaks the contract."""
     if not isinstance(result, dict):
         raise TypeError(f"rollout() must return a dict, got {type(result).__name__}")
@@ -33,7 +35,7 @@ def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repea
     record = {k: v for k, v in result.items() if k not in _RUNTIME_FIELDS}
     record.update(
         uid=uid, instance_id=instance_id, epoch=epoch, repeat=repeat, attempt=attempt, timestamp=time.time(),
-        turns=turns or None, duration_s=round(duration_s, 4),
+        turns=turns or None, duration_s=round(duration_s, 4), generation=generation, policy_version=policy_version,
     )
     record.setdefault("extra_info", {})
     record.setdefault("tools", tools)
@@ -50,7 +52,8 @@ def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repea
 
 def failure_record(error: BaseException | str, *, uid: str, instance_id: str, epoch: int, repeat: int,
                    attempt: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                   duration_s: float, error_type: str | None = None) -> dict[str, Any]:
+                   duration_s: float, error_type: str | None = None, generation: int = 0,
+                   policy_version: int | None = None) -> dict[str, Any]:
     """A `failed` record carrying the error; no turns, so nothing of it can be trained on by accident."""
     text = error if isinstance(error, str) else (str(error) or repr(error))
     kind = error_type or (type(error).__name__ if not isinstance(error, str) else "RolloutError")
@@ -58,6 +61,7 @@ def failure_record(error: BaseException | str, *, uid: str, instance_id: str, ep
         "uid": uid, "instance_id": instance_id, "epoch": epoch, "repeat": repeat, "attempt": attempt,
         "messages": messages, "reward": 0.0, "status": "failed", "tools": tools, "timestamp": time.time(),
         "extra_info": {"error": text[:4000], "error_type": kind}, "duration_s": round(duration_s, 4),
+        "generation": generation, "policy_version": policy_version,
     }
     try:
         return TrajectoryRecord.model_validate(record).model_dump()

@@ -81,8 +81,10 @@ class RolloutRuntime:
         async with self._lock:  # one enqueuer per process; the Lua script makes several processes safe too
             if not await queue.enqueue_done():
                 samples = await asyncio.to_thread(read_samples, spec.request.input_file)
+                keep_order = spec.policy is not None and spec.policy.group_filter is not None
                 added = await queue.enqueue(samples, num_epoch=spec.request.num_epoch,
-                                            repeats=spec.request.num_repeat_per_sample, excluded=spec.excluded_groups)
+                                            repeats=spec.request.num_repeat_per_sample, excluded=spec.excluded_groups,
+                                            keep_order=keep_order)
                 log.info("run %s: enqueued %d task(s) for %d line(s)", spec.run_id, added, len(samples))
         await publish_run(self.store, spec.run_id)
         if self.pool is not None:

@@ -4,6 +4,11 @@ Each call renders (or extends, see `prompt_tokens`) the prompt ids, sends them w
 and records `{prompt_ids, output_ids, output_logprobs, finish_reason, weight_version}` in `turns`. A
 generation the engine aborts (e.g. for a weight update) is continued with the rest of the token budget,
 its prompt being the original prompt + the partial output, and the pieces are joined into one turn.
+
+Versions (`rollout_buffer.versions`): each piece is stamped with the engine's `weight_version` when that is
+a version, else with the run's policy version when the piece started (`PolicyClock`, read afresh after an
+abort). When any piece is stamped, the turn's `weight_version` is its oldest stamp, and a turn whose pieces
+carry different stamps keeps them per token in `version_spans`. Unstamped turns keep what the engine said.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from rollout_buffer.runtime.engine_http import (
 )
 from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.options import DEFAULT_MAX_NEW_TOKENS
+from rollout_buffer.runtime.policy_clock import PolicyClock
 from rollout_buffer.runtime.prompt_tokens import PromptTokens
 from rollout_buffer.task_contract import ChatResult
+from rollout_buffer.versions import as_version, merge_spans
 
 log = logging.getLogger(__name__)
 ROUTING_HEADER = "X-SMG-Routing-Key"
@@ -74,7 +81,8 @@ class RolloutEngineSession:
 
     def __init__(self, *, session: aiohttp.ClientSession, url: str, tools: list[dict[str, Any]] | None,
                  sampling_params: dict[str, Any], policy: RetryPolicy, routing_key: str,
-                 max_abort_continuations: int = 8, stats: Counter[str] | None = None) -> None:
+                 max_abort_continuations: int = 8, stats: Counter[str] | None = None,
+                 clock: PolicyClock | None = None) -> None:
         self.session = session
         self.url = url.rstrip("/")
         self.default_tools = tools or None
@@ -85,10 +93,26 @@ class RolloutEngineSession:
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.turns: list[dict[str, Any]] = []
         self.guard = HistoryGuard()
+        self.clock = clock
+        self.versions: list[int] = []  # the stamp of every piece that produced tokens
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
         return self.guard.conversation()
+
+    async def policy_version(self, *, fresh: bool = False) -> int | None:
+        """The run's policy version now (None without a clock, or before the trainer has said one)."""
+        return await self.clock.current(fresh=fresh) if self.clock is not None else None
+
+    def stamp(self, pieces: list[tuple[int | None, int]]) -> tuple[int | None, list[list[int | None]] | None]:
+        """(oldest stamp, version spans or None) of one call's pieces `(stamp, tokens)`; remembers the stamps.
+        Pieces that produced no token say nothing about the output."""
+        productive = [p for p in pieces if p[1] > 0] or pieces[:1]
+        known = [v for v, _ in productive if v is not None]
+        self.versions.extend(known)
+        oldest = min(known) if known else None
+        spans = merge_spans(p for p in pieces if p[1] > 0)
+        return oldest, (spans if len(spans) > 1 else None)
 
 
 class GenerateClient(RolloutEngineSession):
@@ -126,6 +150,7 @@ class GenerateClient(RolloutEngineSession):
         logprobs: list[float] = []
         texts: list[str] = []
         versions: list[Any] = []
+        pieces: list[tuple[int | None, int]] = []
         finish = "length"
         for piece in range(self.max_abort_continuations + 1):
             remaining = budget - len(output_ids)
@@ -134,16 +159,23 @@ class GenerateClient(RolloutEngineSession):
                 break
             body = {"input_ids": [*prompt_ids, *output_ids], "return_logprob": True,
                     "sampling_params": {**params, "max_new_tokens": remaining}}
+            started = await self.policy_version(fresh=piece > 0)
             ids, lps, text, finish, version = await self._call(body, f"{self.routing_key}:{len(self.turns)}:{piece}")
             output_ids.extend(ids)
             logprobs.extend(lps)
             texts.append(text)
             versions.append(version)
+            engine_version = as_version(version)
+            pieces.append((started if engine_version is None else engine_version, len(ids)))
             if finish != "abort":
                 break
             self.stats["engine_abort_continuations"] += 1
+        oldest, spans = self.stamp(pieces)
         turn = {"prompt_ids": prompt_ids, "output_ids": output_ids, "output_logprobs": logprobs,
-                "finish_reason": finish, "weight_version": next((v for v in versions if v is not None), None)}
+                "finish_reason": finish,
+                "weight_version": oldest if oldest is not None else next((v for v in versions if v is not None), None)}
+        if spans is not None:
+            turn["version_spans"] = spans
         return turn, "".join(texts)
 
     async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[list[int], list[float], str, str, Any]:

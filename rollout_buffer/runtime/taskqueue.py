@@ -1,12 +1,26 @@
-"""The run's task stream: idempotent enqueue, consumer-group reads, lease reclaim, task state.
+"""The run's task stream: idempotent enqueue, consumer-group reads, lease reclaim, task state, admission.
 
-Tasks get deterministic stream ids `0-<n>`, n counting (epoch, line, repeat) from 1, so enqueueing again
-(a relaunch after a restart, or two API processes racing) adds only ids above the stream's last one:
-nothing twice. Task state moves queued -> running -> done | failed | skipped in Lua scripts that also
-keep the `tasks_<state>` counters, acknowledge the entry and mark the run `finished` when the last task
-ends, so the counters stay exact however often a task is delivered. A rollout makes three script calls
-(start, write the record, finish); the starts and finishes of concurrent rollouts share pipelines
+Stream ids are `0-<n>`, n counting up from 1. The plan, one task per (epoch, line, repeat), is numbered in a
+fixed order (its *plan sequence*), and the run's meta remembers the last plan sequence enqueued
+(`plan_seq`), so enqueueing again (a relaunch after a restart, or two API processes racing) adds nothing
+twice. Hand-over may append more groups at any time (a stale group rolled out again as a new generation,
+or the prompt stream's next groups replacing filtered ones: `rollout_buffer.lua_tasks`); they take the
+next ids. Task state moves queued -> running -> done | failed | skipped in Lua scripts that also keep the
+`tasks_<state>` counters, acknowledge the entry and mark the run `finished` when the last task ends, so
+the counters stay exact however often a task is delivered. A rollout makes three script calls (start,
+write the record, finish); the starts and finishes of concurrent rollouts share pipelines
 (`batching.Coalescer`), so a busy worker pays a few round trips per batch, not three per rollout.
+
+Admission (AReaL's rule, for runs with a `max_staleness`): a task that would start a new group (or a new
+generation of one) is *deferred* while the run's started-but-unconsumed groups number `(max_staleness + 1)
+x` the groups per read seen so far (`groups_per_read`, or `groups_per_read_hint` before the first read):
+work that could not be consumed within the bound is not started. As in AReaL, the batch of the trainer's
+current policy version counts as unconsumed (it is being trained on): unconsumed = `groups_started -
+consumed_before_version` (the groups consumed before the current version was first seen, plus those
+consumed since without being trained on: filtered, stale, timed out; all consumed groups when the trainer
+has sent no version). So with groups read in the order they were started, a group
+started at version v is handed over by version v + max_staleness. Tasks of a group already started always
+start, so a started group always completes.
 """
 
 from __future__ import annotations
@@ -22,28 +36,29 @@ from redis.exceptions import ResponseError
 
 from rollout_buffer import keys
 from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
+from rollout_buffer.lua_tasks import TASK_FUNCTIONS
 
 TERMINAL = ("done", "failed", "skipped")
 
-# KEYS: 1 tasks stream 2 stats 3 meta. ARGV: flat (seq, epoch, instance_id, repeat) quadruples.
-# Adds only sequence numbers above the stream's last entry; returns how many it added (none for a run
-# that is gone: a deleted run's keys are never re-created).
-_ENQUEUE = """
+# KEYS: 1 tasks stream 2 stats 3 meta. ARGV: flat (plan seq, epoch, instance_id, repeat) quadruples.
+# Adds the tasks whose plan sequence is above the run's `plan_seq`, at the next stream ids; returns how
+# many it added (none for a run that is gone: a deleted run's keys are never re-created).
+_ENQUEUE = TASK_FUNCTIONS + """
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
-local last = 0
-local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if #tail > 0 then
-  last = tonumber(string.match(tail[1][1], '-(%d+)$'))
-end
+local seq = last_task_seq(KEYS[1])
+-- runs enqueued before `plan_seq` existed numbered their stream by plan sequence
+local done = tonumber(redis.call('HGET', KEYS[3], 'plan_seq') or '') or seq
 local added = 0
 for i = 1, #ARGV, 4 do
-  local seq = tonumber(ARGV[i])
-  if seq > last then
+  local plan = tonumber(ARGV[i])
+  if plan > done then
+    seq = seq + 1
     redis.call('XADD', KEYS[1], '0-' .. seq, 'e', ARGV[i + 1], 'i', ARGV[i + 2], 'r', ARGV[i + 3])
-    last = seq
+    done = plan
     added = added + 1
   end
 end
+redis.call('HSET', KEYS[3], 'plan_seq', done)
 if added > 0 then
   redis.call('HINCRBY', KEYS[2], 'tasks_queued', added)
 end
@@ -73,11 +88,13 @@ end
 local old = redis.call('HGET', KEYS[1], ARGV[1]) or 'queued'
 """
 
-# KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream.
-# ARGV: 1 task id 2 instance id 3 now 4 entry id 5 consumer group 6 group id ("epoch:instance_id").
+# KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream 8 gstarted.
+# ARGV: 1 task id 2 instance id 3 now 4 entry id 5 consumer group 6 group id ("epoch:instance_id")
+#       7 the task's group generation.
 # A delivered task: its run gone or retired -> ack; already finished -> ack; group trained already
-# (skipped by the trainer) -> skipped + ack; otherwise running, one more attempt, and its input line.
-# Returns {previous state, attempts, line or false}.
+# (skipped by the trainer) -> skipped + ack; the first task of its group (generation) while admission is
+# full -> {'deferred', 0, false}, nothing changed, not acked; otherwise running, one more attempt, and its
+# input line. Returns {previous state, attempts, line or false}.
 _START = """
 local status = redis.call('HGET', KEYS[3], 'status')
 if status ~= 'running' and status ~= 'finished' then
@@ -93,6 +110,19 @@ if redis.call('SISMEMBER', KEYS[5], ARGV[6]) == 1 then
   set_state(ARGV[1], old, 'skipped')
   redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
   return {'skipped', tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'), false}
+end
+if redis.call('HGET', KEYS[8], ARGV[6]) ~= ARGV[7] then
+  local run = redis.call('HMGET', KEYS[3], 'max_staleness', 'groups_per_read', 'groups_per_read_hint',
+                         'consumed_before_version')
+  local bound = tonumber(run[1] or '')
+  if bound then
+    local per = tonumber(run[2] or '') or tonumber(run[3] or '') or 1
+    local consumed = tonumber(run[4] or '') or tonumber(redis.call('HGET', KEYS[2], 'groups_consumed') or '0')
+    local live = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0') - consumed
+    if live >= (bound + 1) * per then return {'deferred', 0, false} end
+  end
+  redis.call('HSET', KEYS[8], ARGV[6], ARGV[7])
+  redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
 end
 local attempts = redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
 set_state(ARGV[1], old, 'running')
@@ -129,29 +159,47 @@ end
 return 0
 """
 
+# KEYS: 1 meta. ARGV: 1 number of lines 2 default cap on groups added past the plan. For the prompt stream.
+_KEEP_ORDER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSETNX', KEYS[1], 'extra_groups_cap', ARGV[2])
+redis.call('HSET', KEYS[1], 'num_lines', ARGV[1])
+return 1
+"""
+
 
 @dataclass(frozen=True)
 class TaskStart:
-    """What `TaskQueue.start` found: run the rollout only when `proceed`."""
+    """What `TaskQueue.start` found: run the rollout only when `proceed`; `deferred`: admission is full,
+    hold the task (unacknowledged) and try again."""
 
     previous: str
     attempt: int
     sample: dict[str, Any] | None
     proceed: bool
 
+    @property
+    def deferred(self) -> bool:
+        return self.previous == "deferred"
+
 
 @dataclass(frozen=True)
 class Task:
-    """One rollout to do: repeat `repeat` of line `instance_id` in epoch `epoch`."""
+    """One rollout to do: repeat `repeat` of line `instance_id` in epoch `epoch`, in generation `gen` of
+    its group (0; 1, 2, ... when a stale group is rolled out again)."""
 
     entry_id: str
     epoch: int
     instance_id: str
     repeat: int
+    gen: int = 0
 
     @property
     def task_id(self) -> str:
-        return f"{self.epoch}:{self.instance_id}:{self.repeat}"
+        """Unique for the run's life: a later generation's ids end in `@<gen>` (never digits alone, unlike
+        the repeat that ends a generation-0 id), so its uids are fresh."""
+        base = f"{self.epoch}:{self.instance_id}:{self.repeat}"
+        return base if self.gen == 0 else f"{base}@{self.gen}"
 
     @property
     def gid(self) -> str:
@@ -171,7 +219,7 @@ def _parse_entries(entries: list[Any]) -> list[Task]:
         if fields is None:  # deleted entry (XAUTOCLAIM on Redis 6.2 reports them as nil)
             continue
         data = {_text(k): _text(v) for k, v in fields.items()}
-        tasks.append(Task(_text(entry_id), int(data["e"]), data["i"], int(data["r"])))
+        tasks.append(Task(_text(entry_id), int(data["e"]), data["i"], int(data["r"]), int(data.get("g") or 0)))
     return tasks
 
 
@@ -196,6 +244,7 @@ class TaskQueue:
         self._start = client.register_script(_START)
         self._finish = client.register_script(_FINISH)
         self._enqueue_done = client.register_script(_ENQUEUE_DONE)
+        self._keep_order = client.register_script(_KEEP_ORDER)
         self._scripts: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts)
 
     async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
@@ -212,14 +261,20 @@ class TaskQueue:
         return await self.redis.hget(keys.run_meta(self.run_id), "enqueue_done") in (b"1", "1")
 
     async def enqueue(self, samples: list[dict[str, Any]], *, num_epoch: int, repeats: int,
-                      excluded: set[str], chunk: int = 2000) -> int:
+                      excluded: set[str], chunk: int = 2000, keep_order: bool = False) -> int:
         """Store the samples and add every task not yet in the stream, except those of the `excluded`
-        groups (`"epoch:instance_id"`, trained already); returns how many were added."""
+        groups (`"epoch:instance_id"`, trained already); returns how many were added. `keep_order` also
+        stores the lines' order, so the prompt stream can go on past the plan (a run with a group filter)."""
         await self.ensure_group()
         for start in range(0, len(samples), chunk):
             part = samples[start:start + chunk]
             await self.redis.hset(keys.samples(self.run_id),
                                   mapping={s["instance_id"]: _dumps(s) for s in part})
+            if keep_order:
+                await self.redis.hset(keys.lines(self.run_id),
+                                      mapping={start + i: s["instance_id"] for i, s in enumerate(part)})
+        if keep_order:
+            await self._keep_order(keys=[keys.run_meta(self.run_id)], args=[len(samples), len(samples) * num_epoch])
         added = 0
         total = 0
         batch: list[str] = []
@@ -274,11 +329,12 @@ class TaskQueue:
         previous, attempts, line = await self._scripts.submit((
             self._start,
             [keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
-             keys.skip(run_id), keys.samples(run_id), self.stream],
-            [task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP, task.gid],
+             keys.skip(run_id), keys.samples(run_id), self.stream, keys.group_started(run_id)],
+            [task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP, task.gid, task.gen],
         ))
         previous = _text(previous)
-        proceed = previous not in TERMINAL and previous != "gone"  # gone: run deleted or retired
+        # gone: run deleted or retired; deferred: admission is full
+        proceed = previous not in TERMINAL and previous not in ("gone", "deferred")
         sample = _loads(line) if proceed and line else None
         return TaskStart(previous, int(attempts), sample, proceed)
 

@@ -4,11 +4,19 @@ The same code runs inside `serve` and as `rollout-buffer worker` on any machine.
 index and the `run_events` stream (a blocking read, no polling loop), and for each running native run it
 keeps up to `num_process` rollouts in flight per loop. Leases: a live worker renews the tasks it holds
 every third of `task_lease_s`; a dead worker's tasks go idle and are reclaimed (XAUTOCLAIM) by another.
+
+Admission (`rollout_buffer.runtime.taskqueue`): a task the run's staleness bound holds back is kept by its
+loop, unacknowledged and renewed, and tried again every `DEFER_RETRY_S`; while a loop holds such tasks it
+reads no new ones (they come later in the stream), but still reclaims dead workers' tasks. A run that had
+finished and gets new tasks (a stale group rolled out again, a filtered group replaced) is announced on
+the run-events stream and served again. A new policy version is announced there too and goes straight to
+the run's `PolicyClock`, so engine calls are stamped with it without a Redis read per call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -31,12 +39,13 @@ from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskRegistry
+from rollout_buffer.versions import as_version
 
 log = logging.getLogger(__name__)
 MAX_BLOCK_S = 2.0
 REDIS_RETRY_S = 1.0
 STATUS_CHECK_S = 1.0  # how often a run loop checks that its run was not superseded or deleted
-RUN_EVENTS_MAXLEN = 1000
+DEFER_RETRY_S = 0.1  # how often held-back tasks try to start again
 
 
 def _text(value: bytes | str | None) -> str:
@@ -57,7 +66,7 @@ async def wait_or_timeout(event: asyncio.Event, timeout_s: float) -> bool:
 
 async def publish_run(store: Store, run_id: str) -> None:
     """Tell every worker, on any machine, that a run was launched (or relaunched)."""
-    await store.redis.xadd(keys.RUN_EVENTS, {"run_id": run_id}, maxlen=RUN_EVENTS_MAXLEN, approximate=True)
+    await store.announce_run(run_id)
 
 
 async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, run_id: str) -> RunHandle | None:
@@ -88,12 +97,14 @@ class RunLoop:
     consumer: str
     lease_s: float
     inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    deferred: collections.deque[Task] = field(default_factory=collections.deque)
     stopping: bool = False
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _slot_freed: asyncio.Event = field(default_factory=asyncio.Event)
     _last_renew: float = field(default_factory=time.monotonic)
     _last_reclaim: float = float("-inf")
     _last_status: float = field(default_factory=time.monotonic)
+    _last_deferred: float = float("-inf")
     _reader: asyncio.Task[Any] | None = None
 
     @property
@@ -129,7 +140,7 @@ class RunLoop:
                 await self.stop(grace_s=0.0)
                 return True
         if now - self._last_renew >= self.renew_every:
-            await queue.renew(self.consumer, list(self.inflight))
+            await queue.renew(self.consumer, [*self.inflight, *(t.entry_id for t in self.deferred)])
             self._last_renew = now
         free = self.limit - len(self.inflight)
         if free <= 0:
@@ -139,20 +150,32 @@ class RunLoop:
         tasks = []
         if now - self._last_reclaim >= self.lease_s / 2:
             self._last_reclaim = now
-            tasks = [t for t in await queue.reclaim(self.consumer, self.lease_s, free) if t.entry_id not in self.inflight]
+            held = {t.entry_id for t in self.deferred}
+            tasks = [t for t in await queue.reclaim(self.consumer, self.lease_s, free)
+                     if t.entry_id not in self.inflight and t.entry_id not in held]
             if tasks:
                 log.info("run %s: %s reclaimed %d task(s) from expired leases", self.handle.run_id, self.consumer,
                          len(tasks))
-        if not tasks:
+        if not tasks and self.deferred:
+            wait = DEFER_RETRY_S - (now - self._last_deferred)
+            if wait > 0:
+                self._slot_freed.clear()
+                await wait_or_timeout(self._slot_freed, min(wait, max(0.01, self.renew_every - (now - self._last_renew))))
+                return False
+            self._last_deferred = now
+            tasks = [self.deferred.popleft() for _ in range(min(free, len(self.deferred)))]
+        elif not tasks:
             block_s = max(0.01, min(MAX_BLOCK_S, self.renew_every))
             tasks = await queue.read_new(self.consumer, free, int(block_s * 1000))
         for task in tasks:
             self.inflight[task.entry_id] = asyncio.create_task(self._execute(task))
-        return not tasks and not self.inflight and await self._run_over()
+        return not tasks and not self.inflight and not self.deferred and await self._run_over()
 
     async def _execute(self, task: Task) -> None:
         try:
-            await execute(self.handle, task, store=self.store, session=self.session, worker=self.consumer)
+            state = await execute(self.handle, task, store=self.store, session=self.session, worker=self.consumer)
+            if state == "deferred":
+                self.deferred.append(task)
         except asyncio.CancelledError:
             raise
         except Exception:  # Redis trouble: leave the task unacknowledged; its lease expires and it is redone
@@ -175,7 +198,8 @@ class RunLoop:
         jobs = list(self.inflight.values())
         if jobs and grace_s > 0:
             await asyncio.wait(jobs, timeout=grace_s)
-        left: list[Any] = list(self.inflight)
+        left: list[Any] = [*self.inflight, *(t.entry_id for t in self.deferred)]
+        self.deferred.clear()
         for job in list(self.inflight.values()):
             job.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
@@ -215,6 +239,16 @@ class WorkerPool:
     def active_runs(self) -> list[str]:
         return sorted(self._tasks)
 
+    def on_event(self, fields: dict[str, str]) -> None:
+        """A run-events entry: serve its run; a new policy version goes straight to the run's clock."""
+        run_id = fields.get("run_id", "")
+        version = as_version(fields.get("policy_version"))
+        if version is not None:
+            for loop in self._runs.get(run_id, [])[:1]:  # the loops of a run share one handle
+                if loop.handle.clock is not None:
+                    loop.handle.clock.observe(version)
+        self.watch(run_id)
+
     def watch(self, run_id: str) -> None:
         """Serve `run_id` if it is running and not served yet (idempotent)."""
         if self._closed or run_id in self._tasks:
@@ -222,6 +256,7 @@ class WorkerPool:
         self._tasks[run_id] = asyncio.create_task(self._serve(run_id), name=f"rollout-run-{run_id}")
 
     async def _serve(self, run_id: str) -> None:
+        over = False  # the run's loops ended because the run was no longer running
         try:
             if (await self.store.run_meta(run_id)).get("status") != "running":
                 return
@@ -235,6 +270,7 @@ class WorkerPool:
             log.info("worker %s serving run %s (%d loop(s) x %d in flight)", self.name, run_id, len(loops),
                      handle.options.num_process)
             await asyncio.gather(*(loop.run() for loop in loops))
+            over = not any(loop.stopping for loop in loops)
             log.info("worker %s: run %s is over", self.name, run_id)
         except asyncio.CancelledError:
             raise
@@ -243,6 +279,11 @@ class WorkerPool:
         finally:
             self._runs.pop(run_id, None)
             self._tasks.pop(run_id, None)
+        # New tasks may have reopened the run just as its loops ended: their announcement found this run
+        # still served and was ignored, so look again now that it is not.
+        with contextlib.suppress(RedisError, OSError):
+            if over and not self._closed and (await self.store.run_meta(run_id)).get("status") == "running":
+                self.watch(run_id)
 
     async def _discover(self) -> None:
         """Serve every running run now, then each one announced on the run_events stream."""
@@ -258,7 +299,7 @@ class WorkerPool:
                     for _stream, entries in reply or []:
                         for entry_id, fields in entries:
                             last_id = _text(entry_id)
-                            self.watch(_text(fields.get(b"run_id", fields.get("run_id"))))
+                            self.on_event({_text(k): _text(v) for k, v in fields.items()})
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
