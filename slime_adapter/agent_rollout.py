@@ -208,7 +208,8 @@ class _Step:
         group_index = self.state.next_group_index
         samples, stats = build_group_samples(records, self._tokenizer, self.settings.loss_mask_type,
                                              group_index=group_index, fork_policy=self.settings.fork_policy,
-                                             verify=self.settings.loss_mask_verify)
+                                             verify=self.settings.loss_mask_verify,
+                                             mask_offpolicy=self.settings.mask_offpolicy)
         has_raw = {r["uid"]: r.get("raw_reward") is not None for r in records}
         for sample in samples:
             if self.settings.reward_field(has_raw[sample.metadata["uid"]]) == "raw_reward":

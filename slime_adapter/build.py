@@ -64,6 +64,8 @@ class BuildStats:
     mask_edge_tokens: int = 0
     #: message-path records refused (not a chat the template renders exactly): kept with an all-zero mask
     mask_refused: int = 0
+    #: token path with `mask_offpolicy`: generated tokens masked 0 because a newer version generated later ones
+    offpolicy_masked_tokens: int = 0
     pieces: list[dict[str, int]] = field(default_factory=list)
 
     def add_piece(self, prompt_tokens: int, response_tokens: int, generated_tokens: int) -> None:
@@ -89,6 +91,7 @@ class BuildStats:
         self.fork_dropped_generated_tokens += other.fork_dropped_generated_tokens
         self.mask_edge_tokens += other.mask_edge_tokens
         self.mask_refused += other.mask_refused
+        self.offpolicy_masked_tokens += other.offpolicy_masked_tokens
         self.pieces.extend(other.pieces)
 
 
@@ -130,6 +133,8 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
         "uid": record.uid,
         "instance_id": record.instance_id,
         "epoch": record.epoch,
+        "policy_version": record.policy_version,  # the oldest turn's version: staleness = trainer's - this
+        "generation": record.generation,
         "record_status": status,
         "weight_version": record.weight_version,
     }
@@ -145,10 +150,10 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
 
 
 def _token_path_samples(
-    record: TrajectoryRecord, status: str, group_index: int | None, fork_policy: str
+    record: TrajectoryRecord, status: str, group_index: int | None, fork_policy: str, mask_offpolicy: bool = False
 ) -> tuple[list[Any], BuildStats]:
     assert record.turns is not None
-    result = build_token_pieces(record.turns)
+    result = build_token_pieces(record.turns, mask_offpolicy=mask_offpolicy)
     stats = BuildStats(records=1, forks=result.forks, token_path_records=1)
     texts = _assistant_texts(record.messages)
     aligned = len(texts) == len(record.turns)
@@ -167,6 +172,9 @@ def _token_path_samples(
         if meta["weight_version"] is None and versions:
             meta["weight_version"] = versions[-1]
         meta["weight_versions"] = list(piece.weight_versions)
+        if mask_offpolicy:
+            meta["offpolicy_masked_tokens"] = piece.offpolicy_masked
+            stats.offpolicy_masked_tokens += piece.offpolicy_masked
         if len(result.pieces) > 1:
             meta["fork"] = k
             meta["num_forks"] = result.forks
@@ -240,9 +248,11 @@ def build_samples(
     group_index: int | None = None,
     fork_policy: str = "all",
     verify: str | bool = "cheap",
+    mask_offpolicy: bool = False,
 ) -> tuple[list[Any], BuildStats]:
     """Samples of one record (more than one when its token history forks and `fork_policy` is "all")
-    and their counts.
+    and their counts. `mask_offpolicy` (slime's `--mask-offpolicy-in-partial-rollout`): on the token path,
+    generated tokens older than the newest policy version in the record train nothing (counted).
 
     `tokenizer_getter()` is called only on the message path, so token-path records never load one (a
     getter that fails, e.g. no tokenizer configured, raises: that is configuration, not data). `verify` is
@@ -254,7 +264,7 @@ def build_samples(
     rec = record if isinstance(record, TrajectoryRecord) else TrajectoryRecord.model_validate(record)
     status = _status_text(rec)
     if rec.turns:
-        return _token_path_samples(rec, status, group_index, fork_policy)
+        return _token_path_samples(rec, status, group_index, fork_policy, mask_offpolicy)
     return _message_path_samples(rec, status, tokenizer_getter, loss_mask_type, group_index, verify)
 
 
@@ -266,13 +276,14 @@ def build_group_samples(
     group_index: int | None = None,
     fork_policy: str = "all",
     verify: str | bool = "cheap",
+    mask_offpolicy: bool = False,
 ) -> tuple[list[Any], BuildStats]:
     """All samples of one group, record order kept (forks follow their record, under `fork_policy`)."""
     samples: list[Any] = []
     total = BuildStats()
     for record in records:
         built, stats = build_samples(record, tokenizer_getter, loss_mask_type, group_index=group_index,
-                                     fork_policy=fork_policy, verify=verify)
+                                     fork_policy=fork_policy, verify=verify, mask_offpolicy=mask_offpolicy)
         samples.extend(built)
         total.merge(stats)
     return samples, total

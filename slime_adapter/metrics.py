@@ -132,6 +132,7 @@ def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats |
             # message path: tokens the edge rule set to 0, records refused (kept with an all-zero mask)
             "rollout/mask_edge_tokens": stats.mask_edge_tokens,
             "rollout/mask_refused": stats.mask_refused,
+            "rollout/offpolicy_masked_tokens": stats.offpolicy_masked_tokens,
         })
         if lengths:
             out.update({

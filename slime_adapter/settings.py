@@ -126,6 +126,12 @@ class AgentRolloutSettings:
       `rollout/fork_dropped_tokens` (prompt + response) and `rollout/fork_dropped_generated_tokens`.
       "all" keeps every piece, for trainers that accept uneven groups. Dropping a whole record is not
       offered: it would change the group's size just the same.
+    - `mask_offpolicy` (slime's `mask_offpolicy_in_partial_rollout`): False. When set, a token-path sample
+      trains only the tokens generated under the newest policy version in its record: a generation aborted
+      by `POST /policy_version {"abort_in_flight": true}` and continued under a new version keeps its
+      earlier tokens with mask 0 (per token, from `turns[].version_spans`), as slime masks the previous
+      generation of a partial rollout; counted in `rollout/offpolicy_masked_tokens`. (The buffer always
+      continues aborted generations, so slime's `--partial-rollout` need not be set.)
     - `lease_s` (`agent_lease_s`): 3600.0. Every read leases its batch: the buffer keeps the groups until this
       adapter acknowledges them (once their samples are in the data buffer and their keys in its metadata),
       and a read retried after a lost answer gets the same batch. A lease that runs out (the trainer
@@ -173,6 +179,7 @@ class AgentRolloutSettings:
     fork_policy: str = "last"
     loss_mask_verify: str = "cheap"
     lease_s: float = 3600.0
+    mask_offpolicy: bool = False
     input_keys: dict[str, str | None] = field(default_factory=dict)
     top_k: int | None = None
     stop: list[str] | None = None
@@ -227,6 +234,7 @@ class AgentRolloutSettings:
             fork_policy=str(_get(args, "agent_fork_policy", "last")),
             loss_mask_verify=str(_get(args, "agent_loss_mask_verify", "cheap")),
             lease_s=float(_get(args, "agent_lease_s", 3600.0)),
+            mask_offpolicy=bool(_get(args, "mask_offpolicy_in_partial_rollout", False)),
             input_keys=input_keys_of(args),
             top_k=None if top_k is None or int(top_k) == -1 else int(top_k),
             stop=_list_or_none(_get(args, "rollout_stop", None), str),

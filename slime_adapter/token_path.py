@@ -29,6 +29,8 @@ class TokenPiece:
     last_turn: int
     weight_versions: list[str | int | None]
     finish_reason: str | None
+    #: generated tokens given mask 0 because a newer policy version generated later tokens of the record
+    offpolicy_masked: int = 0
 
     @property
     def response_length(self) -> int:
@@ -73,6 +75,7 @@ class _PieceBuilder:
     weight_versions: list[str | int | None] = field(default_factory=list)
     last_turn: int = -1
     finish_reason: str | None = None
+    offpolicy_masked: int = 0
 
     def extends(self, prompt_ids: Sequence[int]) -> bool:
         n = len(self.tokens)
@@ -83,9 +86,14 @@ class _PieceBuilder:
         self.loss_mask.extend([0] * len(ids))
         self.log_probs.extend([0.0] * len(ids))
 
-    def add_output(self, index: int, turn: Turn) -> None:
+    def add_output(self, index: int, turn: Turn, newest: int | None = None) -> None:
         self.tokens.extend(turn.output_ids)
-        self.loss_mask.extend([1] * len(turn.output_ids))
+        if newest is None:
+            self.loss_mask.extend([1] * len(turn.output_ids))
+        else:  # train only what the newest version generated (slime's --mask-offpolicy-in-partial-rollout)
+            mask = [0 if v is not None and v < newest else 1 for v in token_versions(turn)]
+            self.offpolicy_masked += len(mask) - sum(mask)
+            self.loss_mask.extend(mask)
         if turn.output_logprobs is None:
             self.has_log_probs = False
             self.log_probs.extend([0.0] * len(turn.output_ids))
@@ -109,6 +117,7 @@ class _PieceBuilder:
             last_turn=self.last_turn,
             weight_versions=self.weight_versions,
             finish_reason=self.finish_reason,
+            offpolicy_masked=self.offpolicy_masked,
         )
 
 
@@ -116,21 +125,43 @@ def _as_turn(turn: Turn | dict[str, Any]) -> Turn:
     return turn if isinstance(turn, Turn) else Turn.model_validate(turn)
 
 
-def build_token_pieces(turns: Sequence[Turn | dict[str, Any]]) -> TokenPathResult:
-    """Cut a trajectory's `turns` into token-exact pieces (one, plus one per fork)."""
+def _version(value: str | int | None) -> int | None:
+    """A policy version as an int; None for labels that are not one (SGLang's default "default")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdecimal():
+        return int(value)
+    return None
+
+
+def token_versions(turn: Turn) -> list[int | None]:
+    """The policy version each output token was generated under: from `version_spans` when the turn was
+    aborted and continued under a newer version, else the turn's own `weight_version` for every token."""
+    if turn.version_spans:
+        return [_version(v) for v, count in turn.version_spans for _ in range(count)]
+    return [_version(turn.weight_version)] * len(turn.output_ids)
+
+
+def build_token_pieces(turns: Sequence[Turn | dict[str, Any]], *, mask_offpolicy: bool = False) -> TokenPathResult:
+    """Cut a trajectory's `turns` into token-exact pieces (one, plus one per fork). With `mask_offpolicy`,
+    generated tokens older than the newest policy version in the trajectory get mask 0 (counted)."""
     if not turns:
         raise ValueError("token path needs at least one turn")
+    parsed = [_as_turn(raw) for raw in turns]
+    newest = None
+    if mask_offpolicy:
+        versions = [v for turn in parsed for v in token_versions(turn) if v is not None]
+        newest = max(versions) if versions else None
     pieces: list[TokenPiece] = []
     current: _PieceBuilder | None = None
-    for index, raw in enumerate(turns):
-        turn = _as_turn(raw)
+    for index, turn in enumerate(parsed):
         if current is not None and current.extends(turn.prompt_ids):
             current.add_context(turn.prompt_ids[len(current.tokens):])
         else:
             if current is not None:
                 pieces.append(current.finish())
             current = _PieceBuilder(tokens=list(turn.prompt_ids), prompt_length=len(turn.prompt_ids), first_turn=index)
-        current.add_output(index, turn)
+        current.add_output(index, turn, newest)
     assert current is not None
     pieces.append(current.finish())
     return TokenPathResult(pieces=pieces)

@@ -166,3 +166,22 @@ def test_status_mapping_and_sample_fields() -> None:
     assert sample.to_dict()["status"] == "aborted"
     with pytest.raises(TypeError):
         make_sample(not_a_field=1)
+
+
+def test_mask_offpolicy_trains_only_the_newest_versions_tokens() -> None:
+    """slime's --mask-offpolicy-in-partial-rollout on the token path: tokens a newer policy version did not
+    generate get mask 0, per token where a turn was aborted and continued (version_spans)."""
+    from slime_adapter.token_path import build_token_pieces
+
+    turns = [
+        {"prompt_ids": [1, 2], "output_ids": [3, 4], "weight_version": "3"},
+        {"prompt_ids": [1, 2, 3, 4, 9], "output_ids": [5, 6, 7], "weight_version": 3, "version_spans": [[3, 1], [4, 2]]},
+        {"prompt_ids": [1, 2, 3, 4, 9, 5, 6, 7, 9], "output_ids": [8], "weight_version": "default"},
+    ]
+    (plain,) = build_token_pieces(turns).pieces
+    (masked,) = build_token_pieces(turns, mask_offpolicy=True).pieces
+    assert plain.loss_mask == [1, 1, 0, 1, 1, 1, 0, 1]
+    assert masked.loss_mask == [0, 0, 0, 0, 1, 1, 0, 1], "v3 tokens masked; a version label is not a version"
+    assert masked.offpolicy_masked == 3 and masked.tokens == plain.tokens
+    (same,) = build_token_pieces(turns[:1], mask_offpolicy=True).pieces
+    assert same.loss_mask == [1, 1] and same.offpolicy_masked == 0, "one version: nothing is off-policy"

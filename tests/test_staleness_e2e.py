@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from slime_adapter.agent_rollout import generate_rollout, get_state, reset_state
+from slime_adapter.build import build_samples
 from tests.helpers import ServerProcess
 from tests.runtime_helpers import arithmetic_rows, run_detail, start_native, wait_status, write_rows
 from tests.slime_namespace import install_slime_base_types, slime_namespace
@@ -130,6 +131,14 @@ def test_abort_in_flight_continues_under_the_new_version_and_keeps_both(
     assert engine.stats_dict()["aborts"] == 1
     meta = read["data"]["meta_info"]
     assert meta["policy_version"] == 1 and meta["staleness"] == {"min": 1, "mean": 1.0, "max": 1, "over_bound": 0}
+    # slime's --mask-offpolicy-in-partial-rollout: only what the newest version generated trains
+    (plain,), _ = build_samples(record, lambda: None, "qwen")
+    (masked,), stats = build_samples(record, lambda: None, "qwen", mask_offpolicy=True)
+    old_tokens = len(turns[0]["output_ids"]) + turns[1]["version_spans"][0][1]
+    assert sum(plain.loss_mask) - sum(masked.loss_mask) == old_tokens == stats.offpolicy_masked_tokens > 0
+    assert masked.metadata["offpolicy_masked_tokens"] == old_tokens and masked.tokens == plain.tokens
+    newest = turns[1]["version_spans"][1][1] + len(turns[2]["output_ids"])
+    assert sum(masked.loss_mask) == newest, "the continued part of turn 2 and all of turn 3 train"
 
 
 def test_nonzero_std_drops_all_equal_groups_and_keeps_every_step_full(
