@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import threading
 from typing import Any
@@ -25,7 +26,18 @@ def load_tokenizer(path: str) -> Any:
         _cache[path] = tokenizer
         if gc.isenabled() and gc.get_freeze_count():  # a process that froze its start-up objects (tune_gc):
             gc.freeze()  # the tokenizer lives as long, keep the collector from re-scanning it
+        release_free_heap()
         return tokenizer
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim). Loading a tokenizer parses an
+    18 MB tokenizer.json into temporary structures: measured, a Qwen tokenizer leaves a process at 290 MB
+    RSS after loading, 125 MB after the trim. It matters with one worker process per core."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 async def get_tokenizer(path: str) -> Any:
