@@ -197,7 +197,7 @@ class WorkerSupervisor:
                 delay = self._backoff(child)
                 child.proc, child.restart_at = None, now + delay
                 self.restarts += 1
-                log.error("worker process %d exited with %s; restarting it in %.1fs", child.index, code, delay)
+                log.error("worker process %d exited with %s; restarting it in %.2fs", child.index, code, delay)
             await asyncio.sleep(self.poll_s)
 
     async def stop(self) -> None:
