@@ -54,6 +54,21 @@ def test_default_worker_processes_is_the_cores_capped_at_8(monkeypatch: pytest.M
     assert Settings(**back.settings).redis_url == "unix:///x.sock" and Settings(**back.settings).task_dir == [Path("/t")]
 
 
+def test_serve_runs_worker_processes_or_in_process_loops_or_none(tmp_path: Path) -> None:
+    from rollout_buffer.runtime.service import RolloutRuntime
+
+    def mode(**values: object) -> tuple[int | None, int | None]:
+        runtime = RolloutRuntime(None, None, Settings(data_dir=tmp_path, **values))  # type: ignore[arg-type]
+        return (runtime.supervisor.count if runtime.supervisor else None,
+                runtime.pool.loops if runtime.pool else None)
+
+    assert mode(worker_processes=3) == (3, None)  # the default kind: processes beside the API
+    assert mode(worker_processes=3, workers=2) == (3, None)  # (2 loops in each process)
+    assert mode(worker_processes=0, workers=2) == (None, 2)  # loops inside the API process
+    assert mode(worker_processes=3, workers=0) == (None, None)  # API only
+    assert mode(worker_processes=0, workers=0) == (None, None)
+
+
 class StandIn(WorkerSupervisor):
     """A supervisor whose children run `script` instead of a worker."""
 
