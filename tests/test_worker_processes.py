@@ -226,3 +226,17 @@ def test_worker_command_refuses_zero_processes(tmp_path: Path) -> None:
                            "--redis-url", "redis://127.0.0.1:9/0"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "--processes must be at least 1" in done.stderr
+
+
+async def test_the_api_checks_a_tokenizer_in_a_child_process(tmp_path: Path, qwen_tokenizer_path: str) -> None:
+    """With worker processes the API only proves a run's tokenizer loads, in a short-lived child, and keeps
+    nothing of it; the reason a load failed comes back."""
+    from rollout_buffer.runtime import tokenizers
+
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"\w+Error: "):
+        await tokenizers.check_tokenizer_in_child(str(tmp_path))
+    tokenizers._cache.pop(qwen_tokenizer_path, None)
+    await tokenizers.check_tokenizer_in_child(qwen_tokenizer_path)
+    assert qwen_tokenizer_path not in tokenizers._cache
+    assert (qwen_tokenizer_path, tokenizers._version(qwen_tokenizer_path)) in tokenizers._checked

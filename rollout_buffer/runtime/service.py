@@ -21,7 +21,7 @@ from rollout_buffer.runtime.legacy import LegacyRunner
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.supervisor import WorkerSupervisor, redis_url_of
 from rollout_buffer.runtime.taskqueue import TaskQueue
-from rollout_buffer.runtime.tokenizers import check_tokenizer, get_tokenizer
+from rollout_buffer.runtime.tokenizers import check_tokenizer_in_child, get_tokenizer
 from rollout_buffer.runtime.worker import WorkerPool, publish_run
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
@@ -68,8 +68,8 @@ class RolloutRuntime:
             try:
                 if self.pool is not None:  # this process rolls out too: keep the tokenizer
                     await get_tokenizer(options.tokenizer_path)
-                else:  # worker processes (or other hosts) do: only prove it loads
-                    await asyncio.to_thread(check_tokenizer, options.tokenizer_path)
+                else:  # worker processes (or other hosts) do: prove it loads, in a child process
+                    await check_tokenizer_in_child(options.tokenizer_path)
             except Exception as exc:
                 raise StartRolloutError("tokenizer_path", f"cannot load a tokenizer with a chat template "
                                                           f"from {options.tokenizer_path!r}: {exc}") from exc

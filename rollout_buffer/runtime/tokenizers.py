@@ -1,7 +1,8 @@
 """Tokenizers by path, loaded once per process (loading takes seconds; rollouts need it per call).
 
 A process that only checks that a run's tokenizer loads (the API, when worker processes do the rollouts)
-uses `check_tokenizer`, which loads it once and lets it go: a Qwen tokenizer holds about 100 MB per process.
+uses `check_tokenizer_in_child`: a short-lived child process loads it, so the API never holds the ~100 MB
+a Qwen tokenizer and transformers take.
 """
 
 from __future__ import annotations
@@ -10,9 +11,23 @@ import asyncio
 import ctypes
 import gc
 import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
+# The child of `check_tokenizer_in_child`: load, and on failure print the reason as its last stderr line.
+_CHECK_SCRIPT = """
+import sys
+from rollout_buffer.logs import hide_torch_notice
+hide_torch_notice()
+from rollout_buffer.runtime.tokenizers import check_tokenizer
+try:
+    check_tokenizer(sys.argv[1])
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}".replace(chr(10), " "), file=sys.stderr)
+    sys.exit(1)
+"""
 _cache: dict[str, Any] = {}
 _checked: set[tuple[str, int]] = set()
 _lock = threading.Lock()
@@ -71,6 +86,26 @@ def check_tokenizer(path: str) -> None:
         _checked.add(key)
     gc.collect()
     release_free_heap()
+
+
+async def check_tokenizer_in_child(path: str, timeout_s: float = 300.0) -> None:
+    """`check_tokenizer` in a child process (raises ValueError with the child's reason); remembered like it."""
+    key = (path, _version(path))
+    if path in _cache or key in _checked:
+        return
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _CHECK_SCRIPT, path,
+                                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise ValueError(f"loading it took longer than {timeout_s:g}s") from None
+    if proc.returncode != 0:
+        lines = err.decode(errors="replace").strip().splitlines()
+        raise ValueError(lines[-1] if lines else f"the check exited with {proc.returncode}")
+    _checked.add(key)
 
 
 async def get_tokenizer(path: str) -> Any:
