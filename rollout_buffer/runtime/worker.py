@@ -27,7 +27,7 @@ from rollout_buffer.runtime.engine_http import close_session, new_session
 from rollout_buffer.runtime.executor import RunHandle, execute
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.taskqueue import Task, TaskQueue
-from rollout_buffer.runtime.tokenizers import get_tokenizer
+from rollout_buffer.runtime.tokenizers import get_tokenizer, release_free_heap
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
@@ -256,6 +256,8 @@ class WorkerPool:
         finally:
             self._runs.pop(run_id, None)
             self._tasks.pop(run_id, None)
+            if not self._runs:  # idle now: give the rollouts' freed heap back (the next run starts lean)
+                release_free_heap()
 
     async def _discover(self) -> None:
         """Serve every running run now, then each one announced on the run_events stream."""
