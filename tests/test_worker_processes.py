@@ -36,6 +36,9 @@ from tests.runtime_helpers import (
 )
 
 
+WORKER_READY = re.compile(r"worker_main: worker \S+ ready on ")  # (the API's own line says "rollout-buffer ready on")
+
+
 def test_processes_split_num_process_evenly() -> None:
     assert [share_of(10, (i, 4)) for i in range(4)] == [3, 3, 2, 2]
     assert [share_of(1024, (i, 2)) for i in range(2)] == [512, 512]
@@ -167,7 +170,7 @@ def test_ctrl_c_stops_worker_processes_first_and_cleanly(tmp_path: Path) -> None
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: _healthy(port), 60, "server healthy")
-        wait_for(lambda: log_path.read_text().count(" ready on ") >= 2, 60, "both worker processes ready")
+        wait_for(lambda: len(WORKER_READY.findall(log_path.read_text())) == 2, 60, "both worker processes ready")
         workers = worker_children(proc.pid)
         assert len(workers) == 2
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl+C: the children, in their own
@@ -194,7 +197,7 @@ def test_worker_command_with_processes_runs_them_and_stops_them(tmp_path: Path, 
             assert worker.proc is not None
             pids = wait_for(lambda: _two_workers(worker.proc.pid), 30,
                             "two worker processes under `rollout-buffer worker --processes 2`")
-            wait_for(lambda: worker.log().count(" ready on ") == 2, 60, "both ready")
+            wait_for(lambda: len(WORKER_READY.findall(worker.log())) == 2, 60, "both ready")
             run_id = start_native(client, write_rows(tmp_path, rows), engine_url=engine.url,
                                   tokenizer_path=qwen_tokenizer_path, repeats=4, num_process=8)
             records = drain(client, run_id, 24, timeout_s=60)
