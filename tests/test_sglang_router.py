@@ -132,9 +132,12 @@ def test_an_engine_killed_mid_run_costs_retries_and_counted_failures_not_a_hung_
     rows = arithmetic_rows(24)
     # The router's own retries would often carry a killed engine's turns to the other one unseen; without them
     # every such turn reaches the buffer as an error, the harder case: the buffer's retries must carry the run.
-    with router_with_engines(tmp_path, 0.3, "--disable-retries") as (router, engines):
+    # Enough retries (backoff 0.2 s doubling) to outlast the router's taking the dead engine out even on a
+    # busy machine, so the rollouts that were on it go on on the other engine.
+    with router_with_engines(tmp_path, 0.3, "--disable-retries", "--health-failure-threshold", "1") as (router, engines):
         run_id = start_native(client, write_rows(tmp_path, rows), engine_url=router, tokenizer_path=qwen_tokenizer_path,
-                              task_type="calculator", repeats=2, num_process=16, engine_backoff_s="0.2")
+                              task_type="calculator", repeats=2, num_process=16, engine_backoff_s="0.2",
+                              engine_retries="8")
         url_b, proc_b = engines["B"]
         wait_for(lambda: _stats(url_b)["in_flight"] > 0 and _stats(engines["A"][0])["in_flight"] > 0, 60,
                  "both engines generating")
