@@ -31,11 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the buffer HTTP server (and in-process rollout workers)")
+    serve = sub.add_parser("serve", help="run the buffer HTTP server and its rollout worker processes")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8889)")
     _server_flags(serve)
-    serve.add_argument("--workers", type=int, help="in-process rollout worker loops (default 1; 0 = none)")
+    serve.add_argument("--worker-processes", type=int,
+                       help="rollout worker processes beside the API (default: one per core, at most 8; "
+                            "0 = rollout loops inside the API process)")
+    serve.add_argument("--workers", type=int, help="rollout loops per worker process (default 1; 0 = API only, "
+                                                   "no rollouts)")
     serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB (default 64)")
     serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
     serve.add_argument("--group-timeout-s", type=float, help="close incomplete groups after this long (off by default)")
@@ -47,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run rollout workers against a shared Redis")
     _server_flags(worker)
+    worker.add_argument("--processes", dest="worker_processes", type=int,
+                        help="worker processes (default: one per core, at most 8)")
+    worker.add_argument("--workers", type=int, help="rollout loops per worker process (default 1)")
 
     sub.add_parser("test-engine", help="run the SGLang-protocol test engine", add_help=False)
     sub.add_parser("demo", help="run everything on this machine and show what the trainer receives", add_help=False)
@@ -97,9 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from(args)
     if args.command == "serve":
         return serve(settings)
+    configure_logging(settings.log_level)
+    if settings.worker_processes < 1:
+        print("rollout-buffer worker: --processes must be at least 1", file=sys.stderr)
+        return 2
+    if settings.worker_processes > 1:
+        from rollout_buffer.runtime.supervisor import run_supervised_workers
+
+        return run_supervised_workers(settings)
     from rollout_buffer.runtime.worker_main import run_worker
 
-    configure_logging(settings.log_level)
     return run_worker(settings)
 
 

@@ -166,6 +166,17 @@ class StartRolloutRequest(BaseModel):
     def _sampling_params_dict(cls, value: Any) -> Any:
         return {} if value is None else value
 
+    @field_validator("remote_engine_url", mode="before")
+    @classmethod
+    def _engine_url_list(cls, value: Any) -> Any:
+        # Several engines without a router: a JSON list is kept as one comma-separated string, the form a
+        # slime-style text field can carry too (the runtime splits it).
+        if isinstance(value, list):
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError("a list of engine URLs must hold only strings")
+            return ",".join(value)
+        return value
+
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
 

@@ -9,6 +9,18 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+MAX_DEFAULT_WORKER_PROCESSES = 8
+
+
+def default_worker_processes() -> int:
+    """One worker process per core this process may run on, at most 8: each process is one asyncio loop on
+    one core, and past a handful the engine, not the client side, is the limit."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_WORKER_PROCESSES))
+
 
 class Settings(BaseSettings):
     """Server and worker settings. CLI flags override environment variables, which override defaults."""
@@ -20,7 +32,12 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".rollout-buffer")
     redis_url: str | None = None
     task_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    # In-process rollout worker loops started by `serve` (0 = none; run `rollout-buffer worker` instead).
+    # Rollout worker processes: `serve --worker-processes N` runs them beside the API, `rollout-buffer worker
+    # --processes N` on any host (default: one per core, at most 8). `serve --worker-processes 0` runs the
+    # rollout loops inside the API process instead.
+    worker_processes: int = Field(default_factory=default_worker_processes, ge=0, le=64)
+    # Rollout loops (stream consumers) per worker process, or in the API process with --worker-processes 0;
+    # `serve --workers 0` runs no rollouts at all (API only).
     workers: int = Field(default=1, ge=0, le=64)
     max_body_mb: float = Field(default=64.0, gt=0)
     # Embedded Redis durability: "everysec" survives any process kill (the AOF is written before the

@@ -32,7 +32,9 @@ class ServerProcess:
         self.cwd = cwd
         self.port = free_port()
         self.args = list(args)
-        self.env = {**os.environ, **(env or {})}
+        # In-process rollout loops unless a test asks for worker processes (flag or env): dozens of servers
+        # start in the suite, and worker processes cost each one a few seconds of imports per core.
+        self.env = {"ROLLOUT_BUFFER_WORKER_PROCESSES": "0", **os.environ, **(env or {})}
         self.command = command
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = (self.cwd / self.data_dir).parent / f"server-{self.port}.log"

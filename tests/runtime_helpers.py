@@ -105,7 +105,7 @@ class WorkerProcess:
 
     def __init__(self, log_dir: Path, redis_url: str, *args: str) -> None:
         self.cmd = [sys.executable, "-m", "rollout_buffer.cli", "worker", "--redis-url", redis_url,
-                    "--log-level", "info", *args]
+                    "--log-level", "info", "--processes", "1", *args]
         self.log_path = log_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

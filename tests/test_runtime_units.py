@@ -179,7 +179,7 @@ async def test_generate_client_continues_an_abort_and_sends_the_routing_key(qwen
         try:
             engine.configure(abort_next=1)
             stats: Counter[str] = Counter()
-            client = GenerateClient(session=session, url=engine.url, tokenizer=qwen_tokenizer, tools=None,
+            client = GenerateClient(session=session, engine=engine.url, tokenizer=qwen_tokenizer, tools=None,
                                     sampling_params={"max_new_tokens": 200}, policy=RetryPolicy(timeout_s=10),
                                     routing_key="run:0:a:0", stats=stats)
             result = await client.chat([{"role": "user", "content": "What is 20 + 22?"}])
@@ -204,7 +204,7 @@ async def test_chat_client_continues_an_abort_with_continue_final_message() -> N
         try:
             engine.configure(abort_next=1)
             stats: Counter[str] = Counter()
-            client = ChatCompletionsClient(session=session, url=engine.url, model="m", tools=TOOLS,
+            client = ChatCompletionsClient(session=session, engine=engine.url, model="m", tools=TOOLS,
                                            sampling_params={"max_new_tokens": 200}, policy=RetryPolicy(timeout_s=10),
                                            routing_key="r", stats=stats)
             result = await client.chat([{"role": "user", "content": "What is 6 * 7?"}])

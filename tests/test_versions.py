@@ -84,7 +84,7 @@ async def test_an_abort_continued_under_a_new_version_keeps_both_per_token(redis
     async with running_engine(template="qwen2.5", seed=5, latency_s=2.0) as engine:
         session = new_session()
         try:
-            client = GenerateClient(session=session, url=engine.url, tokenizer=qwen_tokenizer, tools=None,
+            client = GenerateClient(session=session, engine=engine.url, tokenizer=qwen_tokenizer, tools=None,
                                     sampling_params={"max_new_tokens": 200}, policy=RetryPolicy(timeout_s=30),
                                     routing_key="r", clock=PolicyClock(redis_store.redis, run_id, ttl_s=0))
             call = asyncio.create_task(client.chat(USER))
@@ -110,12 +110,12 @@ async def test_a_numeric_engine_version_wins_over_the_runs(redis_store: Store, q
         session = new_session()
         try:
             clock = PolicyClock(redis_store.redis, run_id)
-            client = GenerateClient(session=session, url=engine.url, tokenizer=qwen_tokenizer, tools=None,
+            client = GenerateClient(session=session, engine=engine.url, tokenizer=qwen_tokenizer, tools=None,
                                     sampling_params={"max_new_tokens": 64}, policy=RetryPolicy(timeout_s=30),
                                     routing_key="r", clock=clock)
             await client.chat(USER)
             engine.configure(weight_version="default")
-            chat = ChatCompletionsClient(session=session, url=engine.url, model="m", tools=None,
+            chat = ChatCompletionsClient(session=session, engine=engine.url, model="m", tools=None,
                                          sampling_params={"max_new_tokens": 64}, policy=RetryPolicy(timeout_s=30),
                                          routing_key="r2", clock=clock)
             await chat.chat(USER)
@@ -129,7 +129,7 @@ async def test_without_a_policy_version_turns_keep_what_the_engine_said(qwen_tok
     async with running_engine(template="qwen2.5", seed=6) as engine:
         session = new_session()
         try:
-            client = GenerateClient(session=session, url=engine.url, tokenizer=qwen_tokenizer, tools=None,
+            client = GenerateClient(session=session, engine=engine.url, tokenizer=qwen_tokenizer, tools=None,
                                     sampling_params={"max_new_tokens": 64}, policy=RetryPolicy(timeout_s=30),
                                     routing_key="r")
             await client.chat(USER)

@@ -113,12 +113,8 @@ class ChatCompletionsClient(RolloutEngineSession):
                                      headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
             return (*parse_chat_answer(answer), chat_weight_version(answer))
 
-        def on_retry(error: BaseException) -> None:
-            self.stats["engine_retries"] += 1
-            log.debug("retrying chat call %s: %s", rid_base, error)
-
         self.stats["engine_calls"] += 1
-        return await call_with_retries(attempt, self.policy, on_retry=on_retry)
+        return await call_with_retries(attempt, self.policy, on_retry=lambda error: self.note_retry(error, rid_base))
 
 
 def _join(first: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:

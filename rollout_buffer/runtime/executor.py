@@ -27,6 +27,7 @@ import aiohttp
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.input_keys import InputKeys, normalise, prompt_messages
 from rollout_buffer.runtime.engine_http import RetryPolicy
+from rollout_buffer.runtime.engines import EngineRing
 from rollout_buffer.runtime.failure_log import FailureLog
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.policy_clock import PolicyClock
@@ -65,6 +66,11 @@ class RunHandle:
             self.clock = PolicyClock(self.queue.redis, self.run_id)
 
     @cached_property
+    def engines(self) -> EngineRing:
+        """The run's engines as this process deals them out (one URL: always that one)."""
+        return EngineRing(self.options.engine_urls)
+
+    @cached_property
     def input_keys(self) -> InputKeys:
         """The run's slime dataset keys (checked by `/start_rollout`, so they parse here)."""
         return InputKeys.from_options(self.options.extra)
@@ -73,12 +79,13 @@ class RunHandle:
         opts = self.options
         policy = RetryPolicy(timeout_s=opts.engine_timeout_s, retries=opts.engine_retries,
                              backoff_s=opts.engine_backoff_s)
+        engine = self.engines.pick()  # round robin by rollout when the run lists several engines
         if opts.engine_api == "chat":
-            return ChatCompletionsClient(session=session, url=opts.engine_url, model=opts.model, tools=self.task.tools,
+            return ChatCompletionsClient(session=session, engine=engine, model=opts.model, tools=self.task.tools,
                                          sampling_params=opts.sampling_params, policy=policy, routing_key=uid,
                                          max_abort_continuations=opts.max_abort_continuations, stats=stats,
                                          clock=self.clock)
-        return GenerateClient(session=session, url=opts.engine_url, tokenizer=self.tokenizer, tools=self.task.tools,
+        return GenerateClient(session=session, engine=engine, tokenizer=self.tokenizer, tools=self.task.tools,
                               sampling_params=opts.sampling_params, policy=policy, routing_key=uid,
                               max_abort_continuations=opts.max_abort_continuations, stats=stats, clock=self.clock)
 

@@ -1,7 +1,10 @@
 """Per-run runtime options, read from the `/start_rollout` body (stored with the run).
 
-slime's fields keep their meaning; `num_process` is the number of rollouts one worker loop keeps in flight
-(so `serve --workers 2` plus one `rollout-buffer worker` run up to 3 x num_process at once).
+slime's fields keep their meaning; `num_process` is the number of rollouts one worker command keeps in
+flight per loop, split between its worker processes (so `serve` plus one `rollout-buffer worker`, whatever
+their `--processes`, run up to 2 x num_process at once; with `--workers 2` loops each, 4 x).
+`remote_engine_url` is one URL (an engine, or a router in front of many), or several engine URLs (a JSON
+list, or one string separated by commas or spaces) dealt out round robin by rollout (`runtime.engines`).
 Besides slime's fields, a run may set (all optional, values may be strings as slime sends them):
 
 * `engine_api`: `"generate"` (default; SGLang `/generate`, token in / token out, records `turns`) or
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.runs import StartRolloutError
+from rollout_buffer.runtime.engines import parse_engine_urls
 from rollout_buffer.schema import StartRolloutRequest
 
 ENGINE_APIS = ("generate", "chat")
@@ -72,7 +76,7 @@ class RunOptions:
     """What a worker needs to know about a run, beyond the task module."""
 
     engine_api: str
-    engine_url: str
+    engine_urls: tuple[str, ...]
     tokenizer_path: str | None
     sampling_params: dict[str, Any]
     num_process: int
@@ -92,9 +96,13 @@ class RunOptions:
         engine_api = str(extra.get("engine_api") or "generate").strip().lower()
         if engine_api not in ENGINE_APIS:
             raise StartRolloutError("engine_api", f"must be one of {', '.join(ENGINE_APIS)} (got {engine_api!r})")
+        try:
+            engine_urls = parse_engine_urls(request.remote_engine_url)
+        except ValueError as exc:
+            raise StartRolloutError("remote_engine_url", str(exc)) from exc
         return cls(
             engine_api=engine_api,
-            engine_url=request.remote_engine_url.rstrip("/"),
+            engine_urls=engine_urls,
             tokenizer_path=request.tokenizer_path or None,
             sampling_params=sglang_sampling_params(request),
             num_process=request.num_process,
@@ -107,6 +115,11 @@ class RunOptions:
             model=str(extra.get("model") or "default"),
             extra=extra,
         )
+
+    @property
+    def engine_url(self) -> str:
+        """The first engine URL ("" when none): the only one, unless the run lists several."""
+        return self.engine_urls[0] if self.engine_urls else ""
 
     def check_launchable(self, kind: str) -> None:
         """A native run needs an engine (and, for token-exact turns, a tokenizer)."""

@@ -1,8 +1,10 @@
-"""The server's runtime: launching runs (validate, enqueue, announce) plus its in-process workers.
+"""The server's runtime: launching runs (validate, enqueue, announce) plus the server's rollout workers.
 
 `launch` is idempotent: a run whose tasks are all enqueued enqueues nothing again, so a trainer re-sending
-`/start_rollout` after a server restart resumes the run where the stream left off. The in-process workers
-(`serve --workers N`) are the same `WorkerPool` that `rollout-buffer worker` runs elsewhere.
+`/start_rollout` after a server restart resumes the run where the stream left off. The server's workers are
+`--worker-processes N` processes beside it (`supervisor.WorkerSupervisor`, the default), or with
+`--worker-processes 0` the same `WorkerPool` inside the API process (`--workers N` loops); `--workers 0`
+runs none (API only). Either way they are the `WorkerPool` that `rollout-buffer worker` runs elsewhere.
 
 Legacy (slime-style) modules are their own workers: their `run_rollout` always runs in a thread of the
 serving process that received `/start_rollout`, whatever `--workers` says.
@@ -17,8 +19,9 @@ from rollout_buffer.runs import RunSpec, StartRolloutError
 from rollout_buffer.runtime.inputs import read_samples
 from rollout_buffer.runtime.legacy import LegacyRunner
 from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.runtime.supervisor import WorkerSupervisor, redis_url_of
 from rollout_buffer.runtime.taskqueue import TaskQueue
-from rollout_buffer.runtime.tokenizers import get_tokenizer
+from rollout_buffer.runtime.tokenizers import check_tokenizer_in_child, get_tokenizer
 from rollout_buffer.runtime.worker import WorkerPool, publish_run
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
@@ -37,14 +40,21 @@ class RolloutRuntime:
         self.registry = registry
         self.settings = settings
         loops = settings.workers if worker_loops is None else worker_loops
-        self.pool = WorkerPool(store, registry, settings, loops=loops, name=pool_name) if loops > 0 else None
+        processes = settings.worker_processes if loops > 0 and worker_loops is None else 0
+        in_process = loops > 0 and processes == 0
+        self.pool = WorkerPool(store, registry, settings, loops=loops, name=pool_name) if in_process else None
+        # Worker processes reach the Redis the API uses: --redis-url, or the embedded one (started by now).
+        self.supervisor = (WorkerSupervisor(settings, processes, redis_url=redis_url_of(settings))
+                           if processes > 0 else None)
         self.legacy = LegacyRunner(store)
         self._lock = asyncio.Lock()
 
     def start(self) -> None:
-        """Start the in-process workers (they resume every running run they find)."""
+        """Start the workers (they resume every running run they find); needs the running event loop."""
         if self.pool is not None:
             self.pool.start()
+        if self.supervisor is not None:
+            self.supervisor.start()
 
     async def check(self, request: StartRolloutRequest, task: TaskModule) -> None:
         """Everything that can refuse a run, before the run is stored: options, tokenizer, input file."""
@@ -56,7 +66,10 @@ class RolloutRuntime:
         options.check_launchable("native")
         if options.engine_api == "generate" and options.tokenizer_path:
             try:
-                await get_tokenizer(options.tokenizer_path)
+                if self.pool is not None:  # this process rolls out too: keep the tokenizer
+                    await get_tokenizer(options.tokenizer_path)
+                else:  # worker processes (or other hosts) do: prove it loads, in a child process
+                    await check_tokenizer_in_child(options.tokenizer_path)
             except Exception as exc:
                 raise StartRolloutError("tokenizer_path", f"cannot load a tokenizer with a chat template "
                                                           f"from {options.tokenizer_path!r}: {exc}") from exc
@@ -92,6 +105,8 @@ class RolloutRuntime:
 
     async def shutdown(self) -> None:
         log.debug("runtime shutting down")
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.pool is not None:
             await self.pool.close()
         await self.legacy.shutdown()

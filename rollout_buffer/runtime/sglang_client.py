@@ -28,6 +28,7 @@ from rollout_buffer.runtime.engine_http import (
     call_with_retries,
     post_once,
 )
+from rollout_buffer.runtime.engines import EngineChoice, single
 from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.options import DEFAULT_MAX_NEW_TOKENS
 from rollout_buffer.runtime.policy_clock import PolicyClock
@@ -76,15 +77,17 @@ def parse_generate_answer(answer: dict[str, Any]) -> tuple[list[int], list[float
 
 
 class RolloutEngineSession:
-    """What every engine client of one rollout holds: where to call and how to retry, the sampling
-    defaults, the recorded turns, and the append-only history guard."""
+    """What every engine client of one rollout holds: where to call (`engine`: one URL, or this rollout's
+    pick among a run's engines) and how to retry, the sampling defaults, the recorded turns, and the
+    append-only history guard. Every request carries `X-SMG-Routing-Key: <uid>`, so a router keeps the
+    rollout's turns on one engine."""
 
-    def __init__(self, *, session: aiohttp.ClientSession, url: str, tools: list[dict[str, Any]] | None,
-                 sampling_params: dict[str, Any], policy: RetryPolicy, routing_key: str,
-                 max_abort_continuations: int = 8, stats: Counter[str] | None = None,
+    def __init__(self, *, session: aiohttp.ClientSession, engine: EngineChoice | str,
+                 tools: list[dict[str, Any]] | None, sampling_params: dict[str, Any], policy: RetryPolicy,
+                 routing_key: str, max_abort_continuations: int = 8, stats: Counter[str] | None = None,
                  clock: PolicyClock | None = None) -> None:
         self.session = session
-        self.url = url.rstrip("/")
+        self.engine = single(engine) if isinstance(engine, str) else engine
         self.default_tools = tools or None
         self.sampling_params = dict(sampling_params)
         self.policy = policy
@@ -95,6 +98,11 @@ class RolloutEngineSession:
         self.guard = HistoryGuard()
         self.clock = clock
         self.versions: list[int] = []  # the stamp of every piece that produced tokens
+
+    @property
+    def url(self) -> str:
+        """The engine this rollout calls now."""
+        return self.engine.url
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -113,6 +121,15 @@ class RolloutEngineSession:
         oldest = min(known) if known else None
         spans = merge_spans(p for p in pieces if p[1] > 0)
         return oldest, (spans if len(spans) > 1 else None)
+
+    def note_retry(self, error: BaseException, rid_base: str) -> None:
+        """A call failed and will be retried: counted, and with several engines the retry goes elsewhere."""
+        self.stats["engine_retries"] += 1
+        before = self.engine.url
+        self.engine.failover()
+        if self.engine.url != before:
+            self.stats["engine_failovers"] += 1
+        log.debug("retrying engine call %s on %s: %s", rid_base, self.engine.url, error)
 
 
 class GenerateClient(RolloutEngineSession):
@@ -180,29 +197,26 @@ class GenerateClient(RolloutEngineSession):
 
     async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[list[int], list[float], str, str, Any]:
         async def attempt(number: int) -> tuple[list[int], list[float], str, str, Any]:
-            rid = f"{rid_base}:{number}"
+            rid, url = f"{rid_base}:{number}", self.url
             try:
-                answer = await post_once(self.session, f"{self.url}/generate", {**body, "rid": rid},
+                answer = await post_once(self.session, f"{url}/generate", {**body, "rid": rid},
                                          headers={ROUTING_HEADER: self.routing_key},
                                          timeout_s=self.policy.timeout_s)
             except EngineTimeout:
-                self._abort_later(rid)
+                self._abort_later(url, rid)
                 raise
             return parse_generate_answer(answer)
 
-        def on_retry(error: BaseException) -> None:
-            self.stats["engine_retries"] += 1
-            log.debug("retrying engine call %s: %s", rid_base, error)
-
         self.stats["engine_calls"] += 1
-        return await call_with_retries(attempt, self.policy, on_retry=on_retry)
+        return await call_with_retries(attempt, self.policy, on_retry=lambda error: self.note_retry(error, rid_base))
 
-    def _abort_later(self, rid: str) -> None:
-        """Best effort: tell the engine to drop a request we stopped waiting for."""
+    def _abort_later(self, url: str, rid: str) -> None:
+        """Best effort: tell the engine that got the request to drop it, since we stopped waiting for it.
+        (sglang-router 0.3 does not route `/abort_request`; behind it this finds a 404 and gives up.)"""
 
         async def abort() -> None:
             try:
-                await post_once(self.session, f"{self.url}/abort_request", {"rid": rid}, headers={},
+                await post_once(self.session, f"{url}/abort_request", {"rid": rid}, headers={},
                                 timeout_s=min(5.0, self.policy.timeout_s))
             except Exception as exc:  # noqa: BLE001 - the engine may be the thing that is down
                 log.debug("abort_request for %s failed: %s", rid, exc)

@@ -1,8 +1,9 @@
 """Rollout workers: asyncio loops that take tasks from every active run's stream and run them.
 
-The same code runs inside `serve` and as `rollout-buffer worker` on any machine. A pool watches the run
-index and the `run_events` stream (a blocking read, no polling loop), and for each running native run it
-keeps up to `num_process` rollouts in flight per loop. Leases: a live worker renews the tasks it holds
+The same code runs inside `serve`, in its worker processes and as `rollout-buffer worker` on any machine.
+A pool watches the run index and the `run_events` stream (a blocking read, no polling loop), and for each
+running native run it keeps up to `num_process` rollouts in flight per loop, split between the processes
+of one command (`share`): `serve` with 4 worker processes keeps `num_process` in flight in all, not 4x. Leases: a live worker renews the tasks it holds
 every third of `task_lease_s`; a dead worker's tasks go idle and are reclaimed (XAUTOCLAIM) by another.
 
 Admission (`rollout_buffer.runtime.taskqueue`): a task the run's staleness bound holds back is kept by its
@@ -34,7 +35,7 @@ from rollout_buffer.runtime.engine_http import close_session, new_session
 from rollout_buffer.runtime.executor import RunHandle, execute
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.taskqueue import Task, TaskQueue
-from rollout_buffer.runtime.tokenizers import get_tokenizer
+from rollout_buffer.runtime.tokenizers import get_tokenizer, release_free_heap
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
@@ -46,6 +47,12 @@ MAX_BLOCK_S = 2.0
 REDIS_RETRY_S = 1.0
 STATUS_CHECK_S = 1.0  # how often a run loop checks that its run was not superseded or deleted
 DEFER_RETRY_S = 0.1  # how often held-back tasks try to start again
+
+
+def share_of(total: int, share: tuple[int, int]) -> int:
+    """Process `index` of `count`'s part of `total`: an even split, the first ones taking the remainder."""
+    index, count = share
+    return total // count + (1 if index < total % count else 0)
 
 
 def _text(value: bytes | str | None) -> str:
@@ -89,13 +96,14 @@ async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, 
 
 @dataclass
 class RunLoop:
-    """One consumer of one run's stream, with `num_process` rollouts in flight at most."""
+    """One consumer of one run's stream, with `limit` rollouts in flight at most."""
 
     handle: RunHandle
     store: Store
     session: aiohttp.ClientSession
     consumer: str
     lease_s: float
+    limit: int
     inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     deferred: collections.deque[Task] = field(default_factory=collections.deque)
     stopping: bool = False
@@ -106,10 +114,6 @@ class RunLoop:
     _last_status: float = field(default_factory=time.monotonic)
     _last_deferred: float = float("-inf")
     _reader: asyncio.Task[Any] | None = None
-
-    @property
-    def limit(self) -> int:
-        return self.handle.options.num_process
 
     @property
     def renew_every(self) -> float:
@@ -212,14 +216,19 @@ class RunLoop:
 
 
 class WorkerPool:
-    """All rollout work of one process: discovers runs and runs `loops` consumers per run."""
+    """All rollout work of one process: discovers runs and runs `loops` consumers per run. `share` is
+    (index, count) of this process among the worker processes of one command; each loop keeps this
+    process's part of `num_process` in flight."""
 
     def __init__(self, store: Store, registry: TaskRegistry, settings: Settings, *, loops: int = 1,
-                 name: str | None = None, shutdown_grace_s: float = 5.0) -> None:
+                 name: str | None = None, shutdown_grace_s: float = 5.0, share: tuple[int, int] = (0, 1)) -> None:
+        if not 0 <= share[0] < share[1]:
+            raise ValueError(f"share {share!r}: index must be in [0, count)")
         self.store = store
         self.registry = registry
         self.settings = settings
         self.loops = max(1, loops)
+        self.share = share
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.shutdown_grace_s = shutdown_grace_s
         self.session: aiohttp.ClientSession | None = None
@@ -263,12 +272,16 @@ class WorkerPool:
             handle = await load_handle(self.store, self.registry, self.settings, run_id)
             if handle is None:
                 return
+            limit = share_of(handle.options.num_process, self.share)
+            if limit <= 0:  # num_process is smaller than the number of processes: the others serve it
+                log.info("worker %s leaves run %s to the other processes (num_process %d)", self.name, run_id,
+                         handle.options.num_process)
+                return
             assert self.session is not None
-            loops = [RunLoop(handle, self.store, self.session, f"{self.name}:{i}", self.settings.task_lease_s)
+            loops = [RunLoop(handle, self.store, self.session, f"{self.name}:{i}", self.settings.task_lease_s, limit)
                      for i in range(self.loops)]
             self._runs[run_id] = loops
-            log.info("worker %s serving run %s (%d loop(s) x %d in flight)", self.name, run_id, len(loops),
-                     handle.options.num_process)
+            log.info("worker %s serving run %s (%d loop(s) x %d in flight)", self.name, run_id, len(loops), limit)
             await asyncio.gather(*(loop.run() for loop in loops))
             over = not any(loop.stopping for loop in loops)
             log.info("worker %s: run %s is over", self.name, run_id)
@@ -279,6 +292,8 @@ class WorkerPool:
         finally:
             self._runs.pop(run_id, None)
             self._tasks.pop(run_id, None)
+            if not self._runs:  # idle now: give the rollouts' freed heap back (the next run starts lean)
+                release_free_heap()
         # New tasks may have reopened the run just as its loops ended: their announcement found this run
         # still served and was ignored, so look again now that it is not.
         with contextlib.suppress(RedisError, OSError):

@@ -1,19 +1,20 @@
-"""`rollout-buffer worker`: rollout workers in their own process, on any machine that reaches the Redis.
+"""`rollout-buffer worker`: rollout workers in their own processes, on any machine that reaches the Redis.
 
-It joins the same consumer group as every other worker and serves every running run; SIGINT/SIGTERM stop
-it cleanly (in-flight rollouts get a short grace period, the rest are released for others to take).
+Each process joins the same consumer group as every other worker and serves every running run;
+SIGINT/SIGTERM stop it cleanly (in-flight rollouts get a short grace period, the rest are released for
+others to take). With `--processes N` (default: one per core, at most 8) the command supervises N worker
+processes (`rollout_buffer.runtime.supervisor`), each of which runs `run_worker`; with 1 it is the worker
+itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
-import signal
 from collections.abc import Callable
 
-from rollout_buffer.embedded_redis import SOCKET_NAME
+from rollout_buffer.runtime.supervisor import require_redis_url, stop_event
 from rollout_buffer.runtime.worker import WorkerPool
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
@@ -22,24 +23,14 @@ from rollout_buffer.tasks import discover
 log = logging.getLogger(__name__)
 
 
-def redis_url_of(settings: Settings) -> str | None:
-    """`--redis-url`, else the embedded Redis socket of a server on this machine using the same `--data-dir`."""
-    if settings.redis_url:
-        return settings.redis_url
-    socket_path = settings.data_dir / SOCKET_NAME
-    return f"unix://{socket_path.resolve()}" if socket_path.exists() else None
-
-
-async def serve_worker(settings: Settings, stop: asyncio.Event) -> None:
-    """Run a worker pool until `stop` is set."""
-    url = redis_url_of(settings)
-    if url is None:
-        raise SystemExit("rollout-buffer worker: give --redis-url (or --data-dir of a running server)")
+async def serve_worker(settings: Settings, stop: asyncio.Event, *, share: tuple[int, int] = (0, 1)) -> None:
+    """Run a worker pool until `stop` is set; `share` is this process's place among its command's processes."""
+    url = require_redis_url(settings)
     registry = discover(settings.task_dir)
     for path, error in registry.errors.items():
         log.error("task module problem: %s: %s", path, error)
     store = Store.from_url(url)
-    pool = WorkerPool(store, registry, settings, loops=settings.workers or 1)
+    pool = WorkerPool(store, registry, settings, loops=settings.workers or 1, share=share)
     try:
         await store.redis.ping()
         pool.start()
@@ -71,16 +62,11 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 50, 100)
 
 
-def run_worker(settings: Settings) -> int:
-    """Entry point of `rollout-buffer worker`; returns the process exit code."""
+def run_worker(settings: Settings, *, share: tuple[int, int] = (0, 1), hard_exit_after_s: float | None = None) -> int:
+    """One worker process until SIGINT/SIGTERM; returns the process exit code."""
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-        await serve_worker(settings, stop)
+        await serve_worker(settings, stop_event(hard_exit_after_s), share=share)
 
     tune_gc()
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

@@ -42,6 +42,7 @@ def routes(engine: TestEngine) -> dict[str, dict[str, Handler]]:
     test_only: list[tuple[str, str, Endpoint]] = [
         (get, "/_test/stats", _stats),
         (post, "/_test/reset_stats", _reset_stats),
+        (get, "/_test/routing_keys", _routing_keys),
         (get, "/_test/config", _get_config),
         (post, "/_test/config", _set_config),
     ]
@@ -144,6 +145,13 @@ async def _flush_cache(engine: TestEngine, request: Request) -> web.Response:
 
 async def _stats(engine: TestEngine, request: Request) -> web.Response:
     return json_response(engine.stats_dict())
+
+
+async def _routing_keys(engine: TestEngine, request: Request) -> web.Response:
+    """Generation requests per `X-SMG-Routing-Key` value (reset with the stats): where a router sent each
+    session's turns."""
+    with engine._lock:
+        return json_response(dict(engine.routing_keys))
 
 
 async def _reset_stats(engine: TestEngine, request: Request) -> web.Response:

@@ -81,6 +81,7 @@ class TestEngine:
         if tokenizer.pad_token_id is not None:
             self.stop_ids.add(int(tokenizer.pad_token_id))
         self.stats = EngineStats()
+        self.routing_keys: dict[str, int] = {}  # generation requests per X-SMG-Routing-Key (GET /_test/routing_keys)
         self._lock = threading.Lock()
         self.policy = ScriptedPolicy(self.codec, template, self.eos_id, self.config, responder)
         self.faults = FaultInjector(self.config, self.stats, self._lock)
@@ -145,6 +146,7 @@ class TestEngine:
     def reset_stats(self) -> None:
         with self._lock:
             self.stats.reset()
+            self.routing_keys.clear()
 
     def count_endpoint(self, path: str) -> None:
         with self._lock:
@@ -197,8 +199,10 @@ class TestEngine:
             self.stats.requests += 1
             self.stats.in_flight += 1
             self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
-            if request.headers.get("X-SMG-Routing-Key"):
+            routing_key = request.headers.get("X-SMG-Routing-Key")
+            if routing_key:
                 self.stats.routing_key_requests += 1
+                self.routing_keys[routing_key] = self.routing_keys.get(routing_key, 0) + 1
         try:
             fault = self.faults.pick()
             if fault in (Fault.ERROR, Fault.HANG):

@@ -1,0 +1,97 @@
+"""Reading processes from /proc for the benchmarks: descendants, CPU seconds, resident memory, and a
+sampler of the summed RSS of a process tree while a measurement runs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after the command name (field 3, the state, is index 0)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid`, read from every process's parent pid."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int(_stat_fields(int(entry.name))[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(children(current))
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0 when it is gone)."""
+    try:
+        fields = _stat_fields(pid)
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A memory field of /proc/<pid>/status in KiB (`VmRSS` now, `VmHWM` the peak); 0 when gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class RssSampler:
+    """Samples the summed RSS of a fixed set of processes every `every_s` in a thread; `peak_kib` is the
+    largest sum seen (a sum of per-process peaks would add peaks that never happened at once)."""
+
+    def __init__(self, pids: list[int], every_s: float = 0.1) -> None:
+        self.pids = pids
+        self.every_s = every_s
+        self.peak_kib = 0
+        self.peak_by_pid: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        values = {pid: rss_kib(pid) for pid in self.pids}
+        total = sum(values.values())
+        if total > self.peak_kib:
+            self.peak_kib, self.peak_by_pid = total, values
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> RssSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sample()
