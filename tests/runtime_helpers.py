@@ -18,6 +18,8 @@ from tests.helpers import write_jsonl
 REPO = Path(__file__).resolve().parent.parent
 LEGACY_TASKS = str(REPO / "tests" / "legacy_tasks")
 RUNTIME_TASKS = str(REPO / "tests" / "runtime_tasks")
+# `rollout-buffer serve` flags of the servers the runtime tests share (the `runtime_server` fixture)
+RUNTIME_SERVER_ARGS = ("--task-dir", LEGACY_TASKS, "--task-dir", RUNTIME_TASKS, "--rollout-timeout-s", "60")
 
 
 def arithmetic_rows(n: int, **extra: Any) -> list[dict[str, Any]]:

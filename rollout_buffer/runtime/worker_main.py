@@ -38,10 +38,9 @@ async def serve_worker(settings: Settings, stop: asyncio.Event) -> None:
     registry = discover(settings.task_dir)
     for path, error in registry.errors.items():
         log.error("task module problem: %s: %s", path, error)
-    store = Store.from_url(url)
+    store = await Store.open(url, cluster=settings.redis_cluster)
     pool = WorkerPool(store, registry, settings, loops=settings.workers or 1)
     try:
-        await store.redis.ping()
         pool.start()
         log.info("worker %s ready on %s with tasks %s", pool.name, url, sorted(registry.tasks))
         await stop.wait()
