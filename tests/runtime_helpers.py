@@ -105,9 +105,10 @@ def assert_exact_turns(record: dict[str, Any]) -> None:
 class WorkerProcess:
     """`rollout-buffer worker` in a child process."""
 
-    def __init__(self, log_dir: Path, redis_url: str, *args: str) -> None:
-        self.cmd = [sys.executable, "-m", "rollout_buffer.cli", "worker", "--redis-url", redis_url,
-                    "--log-level", "info", *args]
+    def __init__(self, log_dir: Path, *args: str) -> None:
+        """`args`: the worker's flags, its Redis among them (`--redis-url URL`, with `--redis-cluster` for a
+        cluster)."""
+        self.cmd = [sys.executable, "-m", "rollout_buffer.cli", "worker", "--log-level", "info", *args]
         self.log_path = log_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
