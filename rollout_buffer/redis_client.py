@@ -8,8 +8,11 @@ commands or pipelines at a time, each of which holds at most one connection per 
 
 On a cluster every run key carries the run's hash tag (`rollout_buffer.keys`), so each script and each
 multi-key command of a run goes to the one node owning that run's slot; global keys are touched one per
-command. `check_mode` refuses a URL whose server is not what the settings say (a cluster node without
-`--redis-cluster` would answer MOVED for most keys; a single server with it has no cluster to join).
+command. A cluster that cannot serve part of its slots (a node down, CLUSTERDOWN, TRYAGAIN during a
+failover, slots not covered) raises `ClusterUnavailableError`, a `ConnectionError`: the API answers 503
+"retry" and workers retry, as for a single Redis that went away. `check_mode` refuses a URL whose server is
+not what the settings say (a cluster node without `--redis-cluster` would answer MOVED for most keys; a
+single server with it has no cluster to join).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Union
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 SOCKET_TIMEOUT_S = 30.0
@@ -34,6 +38,19 @@ _holding: contextvars.ContextVar[bool] = contextvars.ContextVar("rollout_buffer_
 
 class RedisModeError(RuntimeError):
     """The server at the URL is not in the mode the settings ask for (cluster or single)."""
+
+
+class ClusterUnavailableError(RedisConnectionError):
+    """Part of the Redis Cluster cannot serve: to callers, the same as a lost connection."""
+
+
+def _outage(exc: BaseException) -> BaseException:
+    """The error callers see for `exc`: cluster outages become `ClusterUnavailableError`, the rest stay."""
+    if isinstance(exc, (ClusterDownError, TryAgainError, SlotNotCoveredError)):
+        error = ClusterUnavailableError(f"Redis Cluster unavailable: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+    return exc
 
 
 class _Permits:
@@ -66,7 +83,12 @@ class BoundedPipeline(ClusterPipeline):
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
         permits: _Permits = self.cluster_client.permits  # type: ignore[attr-defined]
-        return await permits.run(lambda: super(BoundedPipeline, self).execute(raise_on_error, allow_redirections))
+        try:
+            replies = await permits.run(
+                lambda: super(BoundedPipeline, self).execute(raise_on_error, allow_redirections))
+        except (ClusterDownError, TryAgainError, SlotNotCoveredError) as exc:
+            raise _outage(exc) from exc
+        return [_outage(reply) if isinstance(reply, Exception) else reply for reply in replies]
 
 
 class BoundedRedisCluster(RedisCluster):
@@ -80,7 +102,24 @@ class BoundedRedisCluster(RedisCluster):
         self.permits = _Permits(max_in_flight, wait_s)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        return await self.permits.run(lambda: super(BoundedRedisCluster, self).execute_command(*args, **kwargs))
+        try:
+            return await self.permits.run(lambda: super(BoundedRedisCluster, self).execute_command(*args, **kwargs))
+        except (ClusterDownError, TryAgainError, SlotNotCoveredError) as exc:
+            raise _outage(exc) from exc
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> "BoundedRedisCluster":
+        """Learning the topology fails when no node answers or some slots have no node: an outage."""
+        try:
+            await super().initialize(*args, **kwargs)
+        except RedisConnectionError:
+            raise
+        except RedisClusterException as exc:
+            raise ClusterUnavailableError(f"Redis Cluster unavailable: {exc}") from exc
+        return self
+
+    async def ping(self, target_nodes: Any | None = None, **kwargs: Any) -> bool:
+        """PING every primary by default (redis-py pings one node): healthy means every slot is served."""
+        return bool(await super().ping(target_nodes=target_nodes or RedisCluster.PRIMARIES, **kwargs))
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if shard_hint:

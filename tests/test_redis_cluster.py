@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,48 @@ def test_every_script_touches_only_keys_it_declares() -> None:
                 arguments = [a.strip() for a in call.split(",")]
                 for i in positions:
                     assert _KEY_ARG.match(arguments[i]), f"{name}: {function}() gets {arguments[i]!r} as a key"
+
+
+# ----- a node going away ----------------------------------------------------------------------------------
+
+def _eventually(check: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        time.sleep(0.1)
+    return value
+
+
+def test_a_dead_node_answers_503_retry_and_the_buffer_recovers_with_it(tmp_path: Path) -> None:
+    """A node of its own cluster (the shared one stays whole) is killed: requests for its run answer 503
+    "retry" (a lost node, then CLUSTERDOWN everywhere once the others mark it failed), never a 500 or a hang;
+    when it comes back, so does the buffer, with everything acknowledged before."""
+    instances = ["i0", "i1"]
+    input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": i, "prompt": i} for i in instances])
+    with LocalRedisCluster(tmp_path / "cluster", node_timeout_ms=1000, durable=True) as cluster, \
+            ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--workers", "0", "--redis-url", cluster.url,
+                          "--redis-cluster") as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        run_id, elsewhere = (next(r for r in (f"fault-{n}" for n in range(100)) if cluster.node_of_key(keys.run_meta(r))
+                                  == node) for node in (1, 2))
+        for run in (elsewhere, run_id):
+            assert start_run(client, input_file, task_type="external", repeats=1, run_id=run) == run
+            assert client.post("/buffer/write", json=make_record("i0", run_id=run)).json()["success"]
+
+        cluster.kill(1)
+        down = client.post("/buffer/write", json=make_record("i1", run_id=run_id))
+        assert down.status_code == 503 and "redis unavailable; retry" in down.json()["message"], down.text
+        assert client.get("/health").status_code == 503, "a primary that does not answer makes the buffer unhealthy"
+        _eventually(lambda: cluster.state(0) == "fail", 20, "the other nodes marking the cluster failed")
+        everywhere = client.post("/get_rollout_data", json={"run_id": elsewhere})  # a live node: CLUSTERDOWN
+        assert everywhere.status_code == 503 and "ClusterUnavailableError" in everywhere.json()["message"], \
+            everywhere.text
+
+        cluster.restart(1)
+        _eventually(lambda: client.get("/health").status_code == 200, 30, "the buffer healthy again")
+        retried = client.post("/buffer/write", json=make_record("i1", run_id=run_id))
+        assert retried.status_code == 200 and retried.json()["success"], retried.text
+        read = client.post("/get_rollout_data", json={"run_id": run_id}).json()
+        assert sorted(r["instance_id"] for r in read["data"]["data"]) == instances, "nothing acknowledged was lost"
+        assert [r["instance_id"] for r in client.post("/get_rollout_data", json={"run_id": elsewhere}).json()
+                ["data"]["data"]] == ["i0"]
