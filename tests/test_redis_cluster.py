@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from rollout_buffer import keys, lua
 from rollout_buffer.api import create_app
 from rollout_buffer.cli import main as cli_main
-from rollout_buffer.redis_client import BoundedRedisCluster, RedisModeError
+from rollout_buffer.redis_client import BoundedRedisCluster, ClusterUnavailableError, RedisModeError
 from rollout_buffer.remote import state as remote_state
 from rollout_buffer.runtime import taskqueue
 from rollout_buffer.settings import Settings
@@ -248,6 +248,22 @@ def _eventually(check: Any, timeout_s: float, what: str) -> Any:
     return value
 
 
+async def _callers_see_lost_connections(cluster: LocalRedisCluster, run_id: str) -> None:
+    """CLUSTERDOWN reaches callers as a ConnectionError, from commands and from pipelines alike."""
+    store = Store.from_url(cluster.node_url(2), cluster=True)
+    try:
+        async with store.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.run_meta(run_id), "status")
+            pipe.llen(keys.ready(run_id))
+            replies = await pipe.execute(raise_on_error=False)
+        assert [type(reply) for reply in replies] == [ClusterUnavailableError] * 2, replies
+        assert "ClusterDownError" in str(replies[0])
+        with pytest.raises(RedisConnectionError):
+            await store.redis.hget(keys.run_meta(run_id), "status")
+    finally:
+        await store.close()
+
+
 def test_a_dead_node_answers_503_retry_and_the_buffer_recovers_with_it(tmp_path: Path) -> None:
     """A node of its own cluster (the shared one stays whole) is killed: requests for its run answer 503
     "retry" (a lost node, then CLUSTERDOWN everywhere once the others mark it failed), never a 500 or a hang;
@@ -268,10 +284,12 @@ def test_a_dead_node_answers_503_retry_and_the_buffer_recovers_with_it(tmp_path:
         down = client.post("/buffer/write", json=make_record("i1", run_id=run_id))
         assert down.status_code == 503 and "redis unavailable; retry" in down.json()["message"], down.text
         assert client.get("/health").status_code == 503, "a primary that does not answer makes the buffer unhealthy"
-        _eventually(lambda: cluster.state(0) == "fail", 20, "the other nodes marking the cluster failed")
-        everywhere = client.post("/get_rollout_data", json={"run_id": elsewhere})  # a live node: CLUSTERDOWN
-        assert everywhere.status_code == 503 and "ClusterUnavailableError" in everywhere.json()["message"], \
-            everywhere.text
+        _eventually(lambda: cluster.state(0) == cluster.state(2) == "fail", 20, "the cluster marked failed")
+        answers = [client.post("/get_rollout_data", json={"run_id": elsewhere}),  # live nodes say CLUSTERDOWN
+                   client.post("/buffer/write", json=make_record("i1", run_id=elsewhere))]
+        for answer in answers:
+            assert answer.status_code == 503 and "redis unavailable; retry" in answer.json()["message"], answer.text
+        asyncio.run(_callers_see_lost_connections(cluster, elsewhere))
 
         cluster.restart(1)
         _eventually(lambda: client.get("/health").status_code == 200, 30, "the buffer healthy again")
