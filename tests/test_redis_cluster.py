@@ -184,7 +184,7 @@ async def test_a_caller_that_waits_too_long_for_a_connection_gets_a_connection_e
         redis_cluster: LocalRedisCluster) -> None:
     client = BoundedRedisCluster.from_url(redis_cluster.url, max_in_flight=1, wait_s=0.2)
     try:
-        holder = asyncio.create_task(client.blpop(["never-filled"], timeout=2))  # holds the only permit
+        holder = asyncio.create_task(client.blpop(["never-filled"], timeout=1))  # holds the only permit
         await asyncio.sleep(0.3)
         with pytest.raises(RedisConnectionError, match="no Redis Cluster connection free"):
             await client.get("anything")
