@@ -21,6 +21,7 @@ from rollout_buffer.bodies import install_openapi
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.http_errors import BodySizeLimit, install_error_handlers
 from rollout_buffer.maintenance import maintain, supervise_embedded
+from rollout_buffer.redis_client import display_url
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
 from rollout_buffer.responses import OrjsonResponse
@@ -87,8 +88,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         if embedded is not None and embedded.owner:
             upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
         tune_gc()
-        log.info("rollout-buffer ready on redis %s%s with tasks %s", url, " (cluster)" if settings.redis_cluster else "",
-                 sorted(registry.tasks))
+        log.info("rollout-buffer ready on redis %s%s with tasks %s", display_url(url),
+                 " (cluster)" if settings.redis_cluster else "", sorted(registry.tasks))
         try:
             yield
         finally:

@@ -83,14 +83,14 @@ def check_redis(settings: Settings) -> str | None:
 
     from redis.exceptions import RedisError
 
-    from rollout_buffer.redis_client import RedisModeError, check_mode
+    from rollout_buffer.redis_client import RedisModeError, check_mode, display_url
 
     try:
         asyncio.run(check_mode(settings.redis_url, settings.redis_cluster))
     except RedisModeError as exc:
         return str(exc)
     except (RedisError, OSError) as exc:
-        return f"cannot reach the Redis at {settings.redis_url}: {exc}"
+        return f"cannot reach the Redis at {display_url(settings.redis_url)}: {exc}"
     return None
 
 

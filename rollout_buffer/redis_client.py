@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from typing import Any, Union
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
@@ -29,7 +31,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 SOCKET_TIMEOUT_S = 30.0
 POOL_WAIT_S = 30.0
 
-RedisClient = Union[aioredis.Redis, RedisCluster]
+RedisClient = aioredis.Redis | RedisCluster
+T = TypeVar("T")
 
 # Set while a task holds a permit: the cluster client may call itself (a pipeline re-sends a redirected
 # command on its own), and a nested call must not wait for a permit its caller holds.
@@ -61,7 +64,7 @@ class _Permits:
         self.wait_s = wait_s
         self._semaphore = asyncio.Semaphore(limit)
 
-    async def run(self, make_call: Any) -> Any:
+    async def run(self, make_call: Callable[[], Awaitable[T]]) -> T:
         if _holding.get():
             return await make_call()
         try:
@@ -138,6 +141,15 @@ def connect(url: str, *, cluster: bool = False, max_connections: int = 128) -> R
     return aioredis.Redis(connection_pool=pool)
 
 
+def display_url(url: str) -> str:
+    """`url` without its password, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 async def cluster_enabled(url: str) -> bool:
     """Whether the server at `url` runs in cluster mode (`INFO cluster`: `cluster_enabled:1`)."""
     probe = aioredis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=10)
@@ -151,6 +163,7 @@ async def cluster_enabled(url: str) -> bool:
 async def check_mode(url: str, cluster: bool) -> None:
     """Raise `RedisModeError` (naming the fix) when the server at `url` is not in the mode asked for."""
     enabled = await cluster_enabled(url)
+    url = display_url(url)
     if cluster and not enabled:
         raise RedisModeError(f"--redis-cluster is set, but the Redis at {url} is not in cluster mode "
                              f"(cluster_enabled:0): leave --redis-cluster (ROLLOUT_BUFFER_REDIS_CLUSTER) off for "

@@ -41,6 +41,15 @@ def test_sigkilled_worker_tasks_are_reclaimed_by_another(tmp_path: Path, qwen_to
         doomed = WorkerProcess(tmp_path, *redis, "--task-lease-s", "1.0").start()
         survivor = WorkerProcess(tmp_path, *redis, "--task-lease-s", "1.0").start()
         try:
+            # A small run first (one task at a time, seconds long), so that both workers have loaded the
+            # tokenizer (seconds on a busy machine) before the real run: else the first one ready may finish it
+            # alone.
+            warm = start_native(client, write_rows(tmp_path, rows[:3], "warm.jsonl"), engine_url=engine.url,
+                                tokenizer_path=qwen_tokenizer_path, task_type="calculator", repeats=1, num_process=1)
+            deadline = time.monotonic() + 60
+            while not all(f"serving run {warm}" in worker.log() for worker in (doomed, survivor)):
+                assert time.monotonic() < deadline, f"workers never served the warm-up run: {doomed.log()[-2000:]}"
+                time.sleep(0.05)
             run_id = start_native(client, write_rows(tmp_path, rows), engine_url=engine.url,
                                   tokenizer_path=qwen_tokenizer_path, task_type="calculator", repeats=4,
                                   num_process=16)
