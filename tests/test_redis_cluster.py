@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from rollout_buffer import keys, lua
 from rollout_buffer.api import create_app
 from rollout_buffer.cli import main as cli_main
-from rollout_buffer.redis_client import BoundedRedisCluster, ClusterUnavailableError, RedisModeError
+from rollout_buffer.redis_client import BoundedRedisCluster, ClusterUnavailableError, RedisModeError, display_url
 from rollout_buffer.remote import state as remote_state
 from rollout_buffer.runtime import taskqueue
 from rollout_buffer.settings import Settings
@@ -73,6 +73,15 @@ def test_a_server_in_the_other_mode_is_refused_naming_the_fix(command: str, sing
     assert cli_main([command, "--redis-url", redis_cluster.node_url(2)]) == 2
     err = capsys.readouterr().err
     assert "is a Redis Cluster node (cluster_enabled:1): add --redis-cluster" in err
+
+
+def test_error_messages_and_logs_show_urls_without_passwords(capsys: pytest.CaptureFixture[str]) -> None:
+    assert display_url("redis://:s3cret@10.0.0.5:7000/0") == "redis://:***@10.0.0.5:7000/0"
+    assert display_url("rediss://app:s3cret@cache.example:6380") == "rediss://app:***@cache.example:6380"
+    assert display_url("redis://10.0.0.5:7000/0") == "redis://10.0.0.5:7000/0"
+    assert cli_main(["worker", "--redis-url", "redis://:s3cret@127.0.0.1:1/0"]) == 2  # nothing listens on port 1
+    err = capsys.readouterr().err
+    assert "cannot reach the Redis at redis://:***@127.0.0.1:1/0" in err and "s3cret" not in err
 
 
 async def test_the_app_refuses_a_server_in_the_other_mode_at_start_up(single_redis: LocalRedis,
