@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated, Literal
-
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
 from rollout_buffer import keys, lua
 from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.packing import pack_record

@@ -14,6 +14,7 @@ import signal
 from collections.abc import Callable
 
 from rollout_buffer.embedded_redis import SOCKET_NAME
+from rollout_buffer.redis_client import display_url
 from rollout_buffer.runtime.worker import WorkerPool
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
@@ -42,7 +43,8 @@ async def serve_worker(settings: Settings, stop: asyncio.Event) -> None:
     pool = WorkerPool(store, registry, settings, loops=settings.workers or 1)
     try:
         pool.start()
-        log.info("worker %s ready on %s with tasks %s", pool.name, url, sorted(registry.tasks))
+        log.info("worker %s ready on %s%s with tasks %s", pool.name, display_url(url),
+                 " (cluster)" if settings.redis_cluster else "", sorted(registry.tasks))
         await stop.wait()
         log.info("worker %s stopping", pool.name)
     finally:
