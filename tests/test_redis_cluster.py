@@ -164,6 +164,28 @@ def test_two_runs_on_different_nodes_stay_apart_end_to_end(redis_cluster: LocalR
         assert client.get("/runs").json()["runs"] == [run_b]
 
 
+async def test_a_node_that_lost_its_scripts_gets_them_again(redis_cluster: LocalRedisCluster) -> None:
+    """Scripts are cached per node: a node restarted without them answers NOSCRIPT; the script is loaded
+    again (on every primary) and only the refused calls are sent again, single calls and pipelines alike."""
+    redis_cluster.flush()
+    run_a, run_b = _runs_on_two_nodes(redis_cluster)
+    store = await Store.open(redis_cluster.url, cluster=True)
+    try:
+        for run_id in (run_a, run_b):
+            await store.create_run(run_id, {}, group_size=2, num_epoch=1, task_type="external")
+            assert (await store.write_record(run_id, make_record("i0", uid=f"{run_id}-0"))).outcome == "stored"
+        with redis_cluster.client(redis_cluster.node_of_key(keys.run_meta(run_b))) as node_b:
+            node_b.script_flush()
+            assert (await store.write_record(run_b, make_record("i0", uid=f"{run_b}-1"))).outcome == "completed"
+            node_b.script_flush()
+            outcomes = await store.write_records(run_b, [make_record("i1", uid=f"{run_b}-{n}") for n in (2, 3)])
+            assert [o.outcome for o in outcomes] == ["stored", "completed"], "a pipeline of script calls"
+        assert (await store.write_record(run_a, make_record("i0", uid=f"{run_a}-1"))).outcome == "completed"
+        assert (await store.stats(run_b))["records_written"] == 4
+    finally:
+        await store.close()
+
+
 # ----- connections --------------------------------------------------------------------------------------
 
 async def test_callers_queue_for_cluster_connections_instead_of_failing(redis_cluster: LocalRedisCluster) -> None:
