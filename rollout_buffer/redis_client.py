@@ -9,8 +9,8 @@ commands or pipelines at a time, each of which holds at most one connection per 
 On a cluster every run key carries the run's hash tag (`rollout_buffer.keys`), so each script and each
 multi-key command of a run goes to the one node owning that run's slot; global keys are touched one per
 command. A cluster that cannot serve part of its slots (a node down, CLUSTERDOWN, TRYAGAIN during a
-failover, slots not covered) raises `ClusterUnavailableError`, a `ConnectionError`: the API answers 503
-"retry" and workers retry, as for a single Redis that went away. `check_mode` refuses a URL whose server is
+failover, slots not covered, a connection closed under a command) raises `ClusterUnavailableError`, a
+`ConnectionError`: the API answers 503 "retry" and workers retry, as for a single Redis that went away. `check_mode` refuses a URL whose server is
 not what the settings say (a cluster node without `--redis-cluster` would answer MOVED for most keys; a
 single server with it has no cluster to join).
 """
@@ -47,9 +47,21 @@ class ClusterUnavailableError(RedisConnectionError):
     """Part of the Redis Cluster cannot serve: to callers, the same as a lost connection."""
 
 
+# Errors that mean "this part of the cluster cannot answer now". The RuntimeError is uvloop's answer to a
+# write on a connection closed under it (redis-py expects an OSError there): redis-py closes every node's
+# connections when re-learning the topology fails, while other tasks are using them.
+_OUTAGES = (ClusterDownError, TryAgainError, SlotNotCoveredError, RuntimeError)
+
+
+def _is_outage(exc: BaseException) -> bool:
+    if isinstance(exc, RuntimeError):
+        return "handler is closed" in str(exc)
+    return isinstance(exc, _OUTAGES)
+
+
 def _outage(exc: BaseException) -> BaseException:
     """The error callers see for `exc`: cluster outages become `ClusterUnavailableError`, the rest stay."""
-    if isinstance(exc, (ClusterDownError, TryAgainError, SlotNotCoveredError)):
+    if _is_outage(exc):
         error = ClusterUnavailableError(f"Redis Cluster unavailable: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
@@ -89,7 +101,9 @@ class BoundedPipeline(ClusterPipeline):
         try:
             replies = await permits.run(
                 lambda: super(BoundedPipeline, self).execute(raise_on_error, allow_redirections))
-        except (ClusterDownError, TryAgainError, SlotNotCoveredError) as exc:
+        except _OUTAGES as exc:
+            if not _is_outage(exc):
+                raise
             raise _outage(exc) from exc
         return [_outage(reply) if isinstance(reply, Exception) else reply for reply in replies]
 
@@ -107,7 +121,9 @@ class BoundedRedisCluster(RedisCluster):
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await self.permits.run(lambda: super(BoundedRedisCluster, self).execute_command(*args, **kwargs))
-        except (ClusterDownError, TryAgainError, SlotNotCoveredError) as exc:
+        except _OUTAGES as exc:
+            if not _is_outage(exc):
+                raise
             raise _outage(exc) from exc
 
     async def initialize(self, *args: Any, **kwargs: Any) -> "BoundedRedisCluster":

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvloop
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -223,6 +224,38 @@ async def test_a_caller_that_waits_too_long_for_a_connection_gets_a_connection_e
         assert await client.get("anything") is None, "the permit is free again"
     finally:
         await client.aclose()
+
+
+def test_a_connection_closed_under_a_command_is_a_lost_connection(redis_cluster: LocalRedisCluster) -> None:
+    """On uvloop (what the server and workers run on), writing to a connection whose transport was closed
+    meanwhile raises RuntimeError; callers see a ConnectionError (503 "retry"), and the next call reconnects."""
+
+    def close_under_the_client(client: BoundedRedisCluster, key: str) -> None:
+        for connection in client.get_node_from_key(key)._free:
+            connection._writer.transport.abort()  # what a peer reset or a concurrent disconnect leaves
+
+    async def scenario() -> None:
+        client = BoundedRedisCluster.from_url(redis_cluster.url)
+        try:
+            await client.set("closed-under", "1")
+            close_under_the_client(client, "closed-under")
+            await asyncio.sleep(0.05)
+            with pytest.raises(ClusterUnavailableError, match="handler is closed"):
+                await client.get("closed-under")
+            assert await client.get("closed-under") == b"1", "the next call reconnects"
+            close_under_the_client(client, "closed-under")
+            await asyncio.sleep(0.05)
+            with pytest.raises(ClusterUnavailableError):
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.get("closed-under")
+                    await pipe.execute()
+            assert await client.get("closed-under") == b"1"
+        finally:
+            await client.aclose()
+
+    redis_cluster.flush()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
 
 
 # ----- every script's keys in one run's slot --------------------------------------------------------------
