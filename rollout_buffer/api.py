@@ -21,6 +21,7 @@ from rollout_buffer.bodies import install_openapi
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.http_errors import BodySizeLimit, install_error_handlers
 from rollout_buffer.maintenance import maintain, supervise_embedded
+from rollout_buffer.redis_client import display_url
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
 from rollout_buffer.responses import OrjsonResponse
@@ -52,7 +53,8 @@ def tune_gc() -> None:
 
 
 def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory | None = None) -> FastAPI:
-    """The ASGI app. Start-up opens Redis (embedded unless `redis_url`), discovers tasks, starts the runtime."""
+    """The ASGI app. Start-up opens Redis (embedded unless `redis_url`; a Redis Cluster with `redis_cluster`),
+    discovers tasks, starts the runtime."""
     settings = settings or Settings()
     factory = runtime_factory or _default_runtime
 
@@ -66,7 +68,10 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         registry = discover(settings.task_dir)
         for path, error in registry.errors.items():
             log.error("task module problem: %s: %s", path, error)
-        store = Store.from_url(url)
+        if embedded is None:  # an external Redis: refuse one that is not in the mode asked for
+            store = await Store.open(url, cluster=settings.redis_cluster)
+        else:
+            store = Store.from_url(url)
         metrics = CollectorRegistry()
         state = AppState(
             settings=settings, store=store, registry=registry, runtime=factory(store, registry, settings),
@@ -83,7 +88,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         if embedded is not None and embedded.owner:
             upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
         tune_gc()
-        log.info("rollout-buffer ready on redis %s with tasks %s", url, sorted(registry.tasks))
+        log.info("rollout-buffer ready on redis %s%s with tasks %s", display_url(url),
+                 " (cluster)" if settings.redis_cluster else "", sorted(registry.tasks))
         try:
             yield
         finally:

@@ -12,12 +12,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from rollout_buffer.logs import configure_logging, hide_torch_notice
 from rollout_buffer.settings import Settings
 
 
 def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="external Redis (redis://host:port/db); default: embedded Redis")
+    parser.add_argument("--redis-cluster", action="store_true", default=None,
+                        help="--redis-url names a node of a Redis Cluster: use the cluster client "
+                             "(env ROLLOUT_BUFFER_REDIS_CLUSTER=1)")
     parser.add_argument("--data-dir", type=Path, help="embedded Redis data dir (default ./.rollout-buffer)")
     parser.add_argument("--task-dir", type=Path, action="append",
                         help="extra folder of *_generator.py task modules (repeatable)")
@@ -66,6 +71,36 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
+def _settings_problem(exc: ValidationError) -> str:
+    """pydantic's errors as one line per problem, naming the setting where there is one."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where else message)
+    return "; ".join(lines)
+
+
+def check_redis(settings: Settings) -> str | None:
+    """A problem with an external Redis that start-up would hit (unreachable, or a cluster node without
+    --redis-cluster and vice versa), as a message; None when there is none or no external Redis."""
+    if not settings.redis_url:
+        return None
+    import asyncio
+
+    from redis.exceptions import RedisError
+
+    from rollout_buffer.redis_client import RedisModeError, check_mode, display_url
+
+    try:
+        asyncio.run(check_mode(settings.redis_url, settings.redis_cluster))
+    except RedisModeError as exc:
+        return str(exc)
+    except (RedisError, OSError) as exc:
+        return f"cannot reach the Redis at {display_url(settings.redis_url)}: {exc}"
+    return None
+
+
 def serve(settings: Settings) -> int:
     import uvicorn
 
@@ -101,13 +136,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return bench_main(rest)
     args = build_parser().parse_args(argv)
-    settings = settings_from(args)
+    try:
+        settings = settings_from(args)
+    except ValidationError as exc:
+        print(f"rollout-buffer {args.command}: error: {_settings_problem(exc)}", file=sys.stderr)
+        return 2
+    if args.command == "worker" and settings.worker_processes < 1:
+        print("rollout-buffer worker: --processes must be at least 1", file=sys.stderr)
+        return 2
+    problem = check_redis(settings)
+    if problem is not None:
+        print(f"rollout-buffer {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         return serve(settings)
     configure_logging(settings.log_level)
-    if settings.worker_processes < 1:
-        print("rollout-buffer worker: --processes must be at least 1", file=sys.stderr)
-        return 2
     if settings.worker_processes > 1:
         from rollout_buffer.runtime.supervisor import run_supervised_workers
 

@@ -12,15 +12,15 @@ import time
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 
 from rollout_buffer import keys
+from rollout_buffer.redis_client import RedisClient
 
 ERROR_STAT_PREFIX = "rollout_errors:"
 MAX_EXAMPLE_CHARS = 2000
 
 
-async def record_example(client: aioredis.Redis, run_id: str, error_type: str, message: str, uid: str) -> bool:
+async def record_example(client: RedisClient, run_id: str, error_type: str, message: str, uid: str) -> bool:
     """Keep `message` as the example of `error_type` unless one is kept already; True if this was the first."""
     blob = orjson.dumps({"message": message[:MAX_EXAMPLE_CHARS], "uid": uid, "at": time.time()})
     return bool(await client.hsetnx(keys.error_examples(run_id), error_type, blob))
@@ -30,7 +30,7 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-async def failure_summary(client: aioredis.Redis, run_id: str, stats: dict[str, float]) -> dict[str, Any]:
+async def failure_summary(client: RedisClient, run_id: str, stats: dict[str, float]) -> dict[str, Any]:
     """`{"total", "by_type": {type: {"count", "example", "uid", "first_at"}}, "first_error"}`, the types by
     descending count; `first_error` is the earliest example (`{"type", "message", "uid", "at"}`) or None."""
     counts = {name[len(ERROR_STAT_PREFIX):]: int(value) for name, value in stats.items()

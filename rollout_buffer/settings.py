@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MAX_DEFAULT_WORKER_PROCESSES = 8
@@ -31,6 +32,8 @@ class Settings(BaseSettings):
     port: int = Field(default=8889, ge=0, le=65535)
     data_dir: Path = Path(".rollout-buffer")
     redis_url: str | None = None
+    # `redis_url` names any node of a Redis Cluster: the cluster client is used (see rollout_buffer.redis_client).
+    redis_cluster: bool = False
     task_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # Rollout worker processes: `serve --worker-processes N` runs them beside the API, `rollout-buffer worker
     # --processes N` on any host (default: one per core, at most 8). `serve --worker-processes 0` runs the
@@ -64,6 +67,22 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [p for p in value.split(os.pathsep) if p]
         return value
+
+    @model_validator(mode="after")
+    def _cluster_needs_a_node_url(self) -> "Settings":
+        if not self.redis_cluster:
+            return self
+        if not self.redis_url:
+            raise ValueError("--redis-cluster needs --redis-url naming a node of the cluster "
+                             "(redis://host:port); the embedded Redis is a single server")
+        parts = urlsplit(self.redis_url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(f"--redis-cluster needs a redis:// or rediss:// URL (a cluster is reached over TCP), "
+                             f"not {self.redis_url!r}")
+        if parts.path.strip("/") not in ("", "0"):
+            raise ValueError(f"a Redis Cluster has only database 0; --redis-url {self.redis_url!r} names "
+                             f"database {parts.path.strip('/')!r}")
+        return self
 
     @property
     def max_body_bytes(self) -> int:

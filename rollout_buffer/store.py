@@ -12,15 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 
 from rollout_buffer import keys, lua
 from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.packing import pack_record
+from rollout_buffer.redis_client import RedisClient, check_mode, connect
 from rollout_buffer.versions import record_version
 
-SOCKET_TIMEOUT_S = 30.0
-POOL_WAIT_S = 30.0
 # Run statuses after which nothing more is generated for a run.
 TERMINAL_STATUSES = ("finished", "failed", "superseded", "deleted")
 RUN_EVENTS_MAXLEN = 1000
@@ -54,9 +52,9 @@ def number(value: bytes | str) -> float:
 
 
 class Store:
-    """Async access to one Redis for every run."""
+    """Async access to one Redis (or one Redis Cluster) for every run."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self.redis = client
         self.scripts = {name: client.register_script(getattr(lua, name)) for name in (
             "WRITE_RECORD", "READ_READY", "ACK_BATCH", "SET_LEASE_OUTCOME", "EXPIRE_LEASES", "EXPIRE_GROUPS",
@@ -64,15 +62,17 @@ class Store:
         self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
 
     @classmethod
-    def from_url(cls, url: str, max_connections: int = 128) -> "Store":
-        # A blocking pool: under load, callers queue for a connection (up to POOL_WAIT_S) instead of failing
-        # with "too many connections". Every Redis call has a time limit; blocking reads wait in slices
-        # shorter than it.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=POOL_WAIT_S, decode_responses=False,
-            health_check_interval=30, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10,
-        )
-        return cls(aioredis.Redis(connection_pool=pool))
+    def from_url(cls, url: str, max_connections: int = 128, *, cluster: bool = False) -> "Store":
+        """A store on the Redis at `url`, or on the Redis Cluster one of whose nodes `url` names. Callers
+        queue for a connection under load; every Redis call has a time limit, and blocking reads wait in
+        slices shorter than it (`rollout_buffer.redis_client`)."""
+        return cls(connect(url, cluster=cluster, max_connections=max_connections))
+
+    @classmethod
+    async def open(cls, url: str, *, cluster: bool = False) -> "Store":
+        """`from_url`, after checking that the server is in the mode asked for (`RedisModeError` if not)."""
+        await check_mode(url, cluster)
+        return cls.from_url(url, cluster=cluster)
 
     async def close(self) -> None:
         await self.redis.aclose()

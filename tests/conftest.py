@@ -13,6 +13,7 @@ from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
 from tests.helpers import SlimeLikeDataBuffer
+from tests.redis_cluster import LocalRedisCluster
 
 if TYPE_CHECKING:
     from tests.browser import OfflineBrowser
@@ -128,10 +129,9 @@ def runtime_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One `rollout-buffer serve` process (in-process workers) shared by the runtime tests, with the test
     task folders; tests use their own run ids, so they do not see each other's data."""
     from tests.helpers import ServerProcess
-    from tests.runtime_helpers import LEGACY_TASKS, RUNTIME_TASKS
+    from tests.runtime_helpers import RUNTIME_SERVER_ARGS
 
-    with ServerProcess(tmp_path_factory.mktemp("runtime-data"), "--task-dir", LEGACY_TASKS, "--task-dir",
-                       RUNTIME_TASKS, "--rollout-timeout-s", "60") as proc:
+    with ServerProcess(tmp_path_factory.mktemp("runtime-data"), *RUNTIME_SERVER_ARGS) as proc:
         yield proc
 
 
@@ -148,9 +148,26 @@ def external_buffer(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield proc
 
 
-@pytest.fixture()
-async def redis_store(tmp_path: Path) -> AsyncIterator[Store]:
-    """A Store on its own embedded Redis in a temp dir."""
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A real 3-node Redis Cluster on loopback, started once per session (see tests/redis_cluster.py and
+    tests/backends.py for how tests share it)."""
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["embedded", "cluster"])
+async def redis_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    """A Store on its own embedded Redis in a temp dir, or on the session's Redis Cluster (emptied first)."""
+    if request.param == "cluster":
+        cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        store = await Store.open(cluster.url, cluster=True)
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
     embedded = EmbeddedRedis(tmp_path / "redis")
     store = Store.from_url(embedded.start())
     try:

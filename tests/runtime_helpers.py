@@ -18,6 +18,8 @@ from tests.helpers import write_jsonl
 REPO = Path(__file__).resolve().parent.parent
 LEGACY_TASKS = str(REPO / "tests" / "legacy_tasks")
 RUNTIME_TASKS = str(REPO / "tests" / "runtime_tasks")
+# `rollout-buffer serve` flags of the servers the runtime tests share (the `runtime_server` fixture)
+RUNTIME_SERVER_ARGS = ("--task-dir", LEGACY_TASKS, "--task-dir", RUNTIME_TASKS, "--rollout-timeout-s", "60")
 
 
 def arithmetic_rows(n: int, **extra: Any) -> list[dict[str, Any]]:
@@ -103,9 +105,11 @@ def assert_exact_turns(record: dict[str, Any]) -> None:
 class WorkerProcess:
     """`rollout-buffer worker` in a child process."""
 
-    def __init__(self, log_dir: Path, redis_url: str, *args: str) -> None:
-        self.cmd = [sys.executable, "-m", "rollout_buffer.cli", "worker", "--redis-url", redis_url,
-                    "--log-level", "info", "--processes", "1", *args]
+    def __init__(self, log_dir: Path, *args: str) -> None:
+        """`args`: the worker's flags, its Redis among them (`--redis-url URL`, with `--redis-cluster` for a
+        cluster)."""
+        self.cmd = [sys.executable, "-m", "rollout_buffer.cli", "worker", "--log-level", "info", "--processes", "1",
+                    *args]
         self.log_path = log_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 

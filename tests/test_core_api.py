@@ -1,8 +1,8 @@
-"""The core service over real HTTP against a real Redis (embedded; external too when REDIS_URL is set)."""
+"""The core service over real HTTP against a real Redis: embedded, a real 3-node Redis Cluster, and an
+external one when REDIS_URL is set (tests/backends.py)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -12,17 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.backends import BACKENDS, backend
 from tests.helpers import ServerProcess, make_record, start_run, write_jsonl
 
 TASKS = str(Path(__file__).parent / "tasks")
-BACKENDS = ["embedded"] + (["external"] if os.environ.get("REDIS_URL") else [])
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--task-dir", TASKS]
-    if request.param == "external":
-        args += ["--redis-url", os.environ["REDIS_URL"]]
+    args = ["--task-dir", TASKS, *backend(request).server_args()]
     with ServerProcess(tmp_path_factory.mktemp("data"), *args) as proc:
         yield proc
 

@@ -1,5 +1,6 @@
-"""Remote-rollout protocol end to end: a real buffer server process drives test task modules against a
-recording trainer (its own TestEngine behind it) over loopback HTTP, with the real Qwen2.5 tokenizer."""
+"""Remote-rollout protocol end to end: a real buffer server process (on the embedded Redis and on a real
+3-node Redis Cluster) drives test task modules against a recording trainer (its own TestEngine behind it)
+over loopback HTTP, with the real Qwen2.5 tokenizer."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rollout_buffer.testing.recording_trainer import (
     run_recording_trainer_in_thread,
 )
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+from tests.backends import CLUSTER_BACKENDS, backend, shared_redis_args
 from tests.helpers import ServerProcess
 from tests.remote_tasks.remote_calculator_generator import TOOLS
 
@@ -34,10 +36,11 @@ def trainer() -> Iterator[RecordingTrainer]:
         yield recording
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=CLUSTER_BACKENDS)
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data = tmp_path_factory.mktemp("remote") / "data"
-    with ServerProcess(data, "--task-dir", TASKS, "--workers", "0", env=FAST_CALLBACKS) as process:
+    with ServerProcess(data, "--task-dir", TASKS, "--workers", "0", *backend(request).server_args(),
+                       env=FAST_CALLBACKS) as process:
         yield process
 
 
@@ -145,8 +148,7 @@ def test_init_is_idempotent_by_rollout_id(server: ServerProcess, trainer: Record
 
 def test_two_api_processes_claim_a_rollout_id_once(server: ServerProcess, trainer: RecordingTrainer,
                                                   tmp_path: Path) -> None:
-    redis_url = f"unix://{(server.data_dir / 'redis.sock').resolve()}"
-    with ServerProcess(tmp_path / "b", "--task-dir", TASKS, "--workers", "0", "--redis-url", redis_url,
+    with ServerProcess(tmp_path / "b", "--task-dir", TASKS, "--workers", "0", *shared_redis_args(server),
                        env=FAST_CALLBACKS) as other:
         body = init_body(trainer)
         urls = [server.url, other.url] * 4

@@ -1,5 +1,6 @@
 """Runs stop and go away: DELETE /runs/{id} returns Redis to its key count, superseded runs' workers stop,
-retention deletes retired runs, group timeouts reach runs that are not the active one."""
+retention deletes retired runs, group timeouts reach runs that are not the active one. On the embedded
+Redis and on a real 3-node Redis Cluster."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
+import pytest
 
+from tests.backends import CLUSTER_BACKENDS, Backend, backend
 from tests.helpers import ServerProcess, make_record, start_run, write_jsonl
 from tests.runtime_helpers import arithmetic_rows, run_detail, start_native, write_rows
 
 TASKS = str(Path(__file__).parent / "tasks")
 
 
-def _redis(server: ServerProcess) -> redis.Redis:
-    return redis.Redis(unix_socket_path=str(server.data_dir / "redis.sock"))
+@pytest.fixture(params=CLUSTER_BACKENDS)
+def redis_backend(request: pytest.FixtureRequest) -> Backend:
+    return backend(request)
 
 
 def _eventually(check: Any, timeout_s: float = 15.0, what: str = "condition") -> Any:
@@ -31,17 +34,17 @@ def _eventually(check: Any, timeout_s: float = 15.0, what: str = "condition") ->
 
 
 def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, rollout_engine: Any,
-                                                               qwen_tokenizer_path: str) -> None:
+                                                               qwen_tokenizer_path: str,
+                                                               redis_backend: Backend) -> None:
     rows = write_rows(tmp_path, arithmetic_rows(24))
-    with ServerProcess(tmp_path / "data", "--workers", "2") as server:
+    with ServerProcess(tmp_path / "data", "--workers", "2", *redis_backend.server_args()) as server:
         client = httpx.Client(base_url=server.url, timeout=30)
-        db = _redis(server)
         rollout_engine.configure(latency_s=0.0)
         warm = start_native(client, rows, engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path,
                             repeats=1)
         _eventually(lambda: run_detail(client, warm)["meta"]["status"] == "finished", what="warm-up run finished")
         assert client.delete(f"/runs/{warm}").json()["success"]
-        baseline = sorted(db.keys("*"))
+        baseline = sorted(redis_backend.keys(server))
         assert not [k for k in baseline if b"{" in k], f"keys of the deleted run remain: {baseline}"
         rollout_engine.configure(latency_s=0.3)
         try:
@@ -55,16 +58,17 @@ def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, ro
             assert client.delete(f"/runs/{run_id}").json()["success"]
             assert client.delete(f"/runs/{run_id}").status_code == 404
             time.sleep(3.0)  # in-flight rollouts end (cancelled by their workers) and nothing re-creates keys
-            assert sorted(db.keys("*")) == baseline
+            assert sorted(redis_backend.keys(server)) == baseline
             assert client.get(f"/runs/{run_id}").status_code == 404
             assert client.post("/get_rollout_data", json={"run_id": run_id}).status_code == 404
         finally:
             rollout_engine.configure(latency_s=0.0)
 
 
-def test_a_superseded_runs_workers_stop(tmp_path: Path, rollout_engine: Any, qwen_tokenizer_path: str) -> None:
+def test_a_superseded_runs_workers_stop(tmp_path: Path, rollout_engine: Any, qwen_tokenizer_path: str,
+                                        redis_backend: Backend) -> None:
     rows = write_rows(tmp_path, arithmetic_rows(16))
-    with ServerProcess(tmp_path / "data") as server:
+    with ServerProcess(tmp_path / "data", *redis_backend.server_args()) as server:
         client = httpx.Client(base_url=server.url, timeout=30)
         rollout_engine.configure(latency_s=0.2)
         try:
@@ -90,9 +94,10 @@ def test_a_superseded_runs_workers_stop(tmp_path: Path, rollout_engine: Any, qwe
             rollout_engine.configure(latency_s=0.0)
 
 
-def test_retention_deletes_retired_runs_only(tmp_path: Path) -> None:
+def test_retention_deletes_retired_runs_only(tmp_path: Path, redis_backend: Backend) -> None:
     input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": "i0"}, {"instance_id": "i1"}])
-    with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--retain-runs", "2", "--run-ttl-s", "2") as server:
+    with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--retain-runs", "2", "--run-ttl-s", "2",
+                       *redis_backend.server_args()) as server:
         client = httpx.Client(base_url=server.url, timeout=30)
         drained = start_run(client, input_file, task_type="external", repeats=1, run_id="drained")
         for iid in ("i0", "i1"):
@@ -112,9 +117,10 @@ def test_retention_deletes_retired_runs_only(tmp_path: Path) -> None:
         _eventually(lambda: client.get("/runs").json()["runs"] == [], 10.0, "drained runs deleted after the TTL")
 
 
-def test_group_timeouts_reach_runs_that_are_not_active(tmp_path: Path) -> None:
+def test_group_timeouts_reach_runs_that_are_not_active(tmp_path: Path, redis_backend: Backend) -> None:
     input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": "i0"}])
-    with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--group-timeout-s", "0.3") as server:
+    with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--group-timeout-s", "0.3",
+                       *redis_backend.server_args()) as server:
         client = httpx.Client(base_url=server.url, timeout=30)
         first = start_run(client, input_file, task_type="external", repeats=2, run_id="first")
         client.post("/buffer/write", json=make_record("i0", run_id=first))

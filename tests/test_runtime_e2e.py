@@ -1,4 +1,5 @@
-"""The rollout runtime end to end: a real server process, the SGLang test engine, the real tokenizer."""
+"""The rollout runtime end to end: a real server process (on the embedded Redis and on a real 3-node Redis
+Cluster), the SGLang test engine, the real tokenizer."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.backends import CLUSTER_BACKENDS, backend
 from tests.helpers import ServerProcess
 from tests.runtime_helpers import (
+    RUNTIME_SERVER_ARGS,
     arithmetic_rows,
     assert_exact_turns,
     assert_whole_groups,
@@ -21,9 +24,20 @@ from tests.runtime_helpers import (
 )
 
 
+@pytest.fixture(scope="module", params=CLUSTER_BACKENDS)
+def buffer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The shared runtime server (embedded Redis), or one like it on the real 3-node Redis Cluster."""
+    if request.param == "embedded":
+        yield request.getfixturevalue("runtime_server")
+        return
+    with ServerProcess(tmp_path_factory.mktemp("runtime-cluster"), *RUNTIME_SERVER_ARGS,
+                       *backend(request).server_args()) as proc:
+        yield proc
+
+
 @pytest.fixture()
-def client(runtime_server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=runtime_server.url, timeout=30) as c:
+def client(buffer: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=buffer.url, timeout=30) as c:
         yield c
 
 

@@ -1,4 +1,5 @@
-"""More workers, more machines: `rollout-buffer worker` processes on a shared Redis, one killed mid-run."""
+"""More workers, more machines: `rollout-buffer worker` processes on a shared Redis, one killed mid-run (on
+the embedded Redis and on a real 3-node Redis Cluster); an API process killed mid-run."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from rollout_buffer.testing.engine import run_engine_in_thread
+from tests.backends import CLUSTER_BACKENDS, Backend, backend, shared_redis_args
 from tests.helpers import ServerProcess
 from tests.runtime_helpers import (
     WorkerProcess,
@@ -23,15 +26,30 @@ from tests.runtime_helpers import (
 )
 
 
-def test_sigkilled_worker_tasks_are_reclaimed_by_another(tmp_path: Path, qwen_tokenizer_path: str) -> None:
+@pytest.fixture(params=CLUSTER_BACKENDS)
+def redis_backend(request: pytest.FixtureRequest) -> Backend:
+    return backend(request)
+
+
+def test_sigkilled_worker_tasks_are_reclaimed_by_another(tmp_path: Path, qwen_tokenizer_path: str,
+                                                         redis_backend: Backend) -> None:
     rows = arithmetic_rows(12)
     with run_engine_in_thread(template="qwen2.5", seed=5, latency_s=0.3) as engine, \
-            ServerProcess(tmp_path / "data", "--workers", "0") as server, \
+            ServerProcess(tmp_path / "data", "--workers", "0", *redis_backend.server_args()) as server, \
             httpx.Client(base_url=server.url, timeout=30) as client:
-        redis_url = f"unix://{(server.data_dir / 'redis.sock').resolve()}"
-        doomed = WorkerProcess(tmp_path, redis_url, "--task-lease-s", "1.0").start()
-        survivor = WorkerProcess(tmp_path, redis_url, "--task-lease-s", "1.0").start()
+        redis = shared_redis_args(server)
+        doomed = WorkerProcess(tmp_path, *redis, "--task-lease-s", "1.0").start()
+        survivor = WorkerProcess(tmp_path, *redis, "--task-lease-s", "1.0").start()
         try:
+            # A small run first (one task at a time, seconds long), so that both workers have loaded the
+            # tokenizer (seconds on a busy machine) before the real run: else the first one ready may finish it
+            # alone.
+            warm = start_native(client, write_rows(tmp_path, rows[:3], "warm.jsonl"), engine_url=engine.url,
+                                tokenizer_path=qwen_tokenizer_path, task_type="calculator", repeats=1, num_process=1)
+            deadline = time.monotonic() + 60
+            while not all(f"serving run {warm}" in worker.log() for worker in (doomed, survivor)):
+                assert time.monotonic() < deadline, f"workers never served the warm-up run: {doomed.log()[-2000:]}"
+                time.sleep(0.05)
             run_id = start_native(client, write_rows(tmp_path, rows), engine_url=engine.url,
                                   tokenizer_path=qwen_tokenizer_path, task_type="calculator", repeats=4,
                                   num_process=16)

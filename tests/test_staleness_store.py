@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 import orjson
+from redis.asyncio.cluster import RedisCluster
 
 from rollout_buffer import handover, keys
 from rollout_buffer.runtime.taskqueue import Task, TaskQueue
@@ -169,7 +170,12 @@ async def test_every_key_a_staleness_run_touches_is_a_run_key(redis_store: Store
     await handover.read_ready(redis_store, run_id, policy_version=1)  # requeued
     await write_group(redis_store, run_id, "a", [1, 1], generation=1)
     await handover.extend_stream(redis_store, run_id, 1)
-    present = {k.decode() for k in await redis_store.redis.keys(f"*{{{run_id}}}*")}
+    pattern, client = f"*{{{run_id}}}*", redis_store.redis
+    if isinstance(client, RedisCluster):  # every key of a run is in one slot: ask the node that holds it
+        found = await client.keys(pattern, target_nodes=client.get_node_from_key(keys.run_meta(run_id)))
+    else:
+        found = await client.keys(pattern)
+    present = {k.decode() for k in found}
     assert {keys.group_generation(run_id), keys.group_version(run_id), keys.group_started(run_id),
             keys.lines(run_id)} <= present
     assert present <= set(keys.run_keys(run_id))

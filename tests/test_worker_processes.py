@@ -192,7 +192,7 @@ def test_worker_command_with_processes_runs_them_and_stops_them(tmp_path: Path, 
             ServerProcess(tmp_path / "data", "--workers", "0") as server, \
             httpx.Client(base_url=server.url, timeout=30) as client:
         redis_url = f"unix://{(server.data_dir / 'redis.sock').resolve()}"
-        worker = WorkerProcess(tmp_path, redis_url, "--processes", "2").start()
+        worker = WorkerProcess(tmp_path, "--redis-url", redis_url, "--processes", "2").start()
         try:
             assert worker.proc is not None
             pids = wait_for(lambda: _two_workers(worker.proc.pid), 30,

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 
 from rollout_buffer import keys
+from rollout_buffer.redis_client import RedisClient
 from rollout_buffer.remote.drift import Drift
 from rollout_buffer.remote.schema import InitRequest
 
@@ -65,7 +65,7 @@ def _flat(fields: dict[str, Any]) -> list[Any]:
 class RemoteStates:
     """Owner-checked reads and writes of remote rollout state."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self.redis = client
         self._claim = client.register_script(_CLAIM)
         self._update = client.register_script(_OWNED_UPDATE)

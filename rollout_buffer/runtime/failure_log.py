@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from rollout_buffer.failures import record_example
+from rollout_buffer.redis_client import RedisClient
 
 log = logging.getLogger(__name__)
 SUMMARY_INTERVAL_S = 30.0
@@ -35,7 +34,7 @@ class FailureLog:
     since_summary: Counter[str] = field(default_factory=Counter)
     last_summary: float | None = None
 
-    async def note(self, client: aioredis.Redis, record: dict[str, Any]) -> None:
+    async def note(self, client: RedisClient, record: dict[str, Any]) -> None:
         """Account for one `failed` record: keep the first example of its type, log as described above."""
         info = record.get("extra_info") or {}
         error_type = str(info.get("error_type") or "unknown")

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from rollout_buffer import keys
 from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.lua_tasks import TASK_FUNCTIONS
+from rollout_buffer.redis_client import RedisClient
 
 TERMINAL = ("done", "failed", "skipped")
 
@@ -236,7 +236,7 @@ def iter_task_plan(instance_ids: list[str], num_epoch: int, repeats: int) -> Ite
 class TaskQueue:
     """One run's stream and consumer group."""
 
-    def __init__(self, client: aioredis.Redis, run_id: str) -> None:
+    def __init__(self, client: RedisClient, run_id: str) -> None:
         self.redis = client
         self.run_id = run_id
         self.stream = keys.tasks(run_id)

@@ -14,6 +14,7 @@ import gc
 import logging
 from collections.abc import Callable
 
+from rollout_buffer.redis_client import display_url
 from rollout_buffer.runtime.supervisor import require_redis_url, stop_event
 from rollout_buffer.runtime.worker import WorkerPool
 from rollout_buffer.settings import Settings
@@ -29,12 +30,12 @@ async def serve_worker(settings: Settings, stop: asyncio.Event, *, share: tuple[
     registry = discover(settings.task_dir)
     for path, error in registry.errors.items():
         log.error("task module problem: %s: %s", path, error)
-    store = Store.from_url(url)
+    store = await Store.open(url, cluster=settings.redis_cluster)
     pool = WorkerPool(store, registry, settings, loops=settings.workers or 1, share=share)
     try:
-        await store.redis.ping()
         pool.start()
-        log.info("worker %s ready on %s with tasks %s", pool.name, url, sorted(registry.tasks))
+        log.info("worker %s ready on %s%s with tasks %s", pool.name, display_url(url),
+                 " (cluster)" if settings.redis_cluster else "", sorted(registry.tasks))
         await stop.wait()
         log.info("worker %s stopping", pool.name)
     finally:
