@@ -36,6 +36,8 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:samples              hash   instance_id -> input line (JSON), written once by the enqueuer
     rb:{R}:attempts             hash   task id -> times a worker started it (poison-task cap)
     rb:{R}:error_examples       hash   error type -> first failed rollout of that type (JSON: message, uid, at)
+    rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
+    rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
@@ -161,7 +163,8 @@ def run_keys(run_id: str) -> list[str]:
     """Every key of one run: what `DELETE /runs/{run_id}` removes."""
     return [make(run_id) for make in (
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
-        stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples)]
+        stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
+        read_log, timeline)]
 
 
 def remote(rollout_id: str) -> str:
@@ -178,3 +181,11 @@ def remote_owner(owner_id: str) -> str:
 
 def error_examples(run_id: str) -> str:
     return f"{_tag(run_id)}:error_examples"
+
+
+def read_log(run_id: str) -> str:
+    return f"{_tag(run_id)}:read_log"
+
+
+def timeline(run_id: str) -> str:
+    return f"{_tag(run_id)}:timeline"

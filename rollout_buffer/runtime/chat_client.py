@@ -7,8 +7,10 @@ fallback on its side. An aborted answer is continued with SGLang's `continue_fin
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+from rollout_buffer.metrics.histograms import ENGINE_CALL
 from rollout_buffer.runtime.engine_http import (
     TransientEngineError,
     call_with_retries,
@@ -94,10 +96,16 @@ class ChatCompletionsClient(RolloutEngineSession):
 
     async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[dict[str, Any], str, int]:
         async def attempt(number: int) -> tuple[dict[str, Any], str, int]:
-            answer = await post_once(self.session, f"{self.url}/v1/chat/completions",
-                                     {**body, "rid": f"{rid_base}:{number}"},
-                                     headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
-            return parse_chat_answer(answer)
+            started = time.perf_counter()
+            try:
+                answer = await post_once(self.session, f"{self.url}/v1/chat/completions",
+                                         {**body, "rid": f"{rid_base}:{number}"},
+                                         headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
+            finally:  # every attempt's latency; it goes to Redis with the task's finish
+                ENGINE_CALL.observe(self.stats, time.perf_counter() - started)
+            parsed = parse_chat_answer(answer)
+            self.stats["tokens_generated"] += parsed[2]
+            return parsed
 
         def on_retry(error: BaseException) -> None:
             self.stats["engine_retries"] += 1

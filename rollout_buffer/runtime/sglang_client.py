@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from typing import Any
 
 import aiohttp
 
 from rollout_buffer.chat_format import parse_assistant_text
+from rollout_buffer.metrics.histograms import ENGINE_CALL
 from rollout_buffer.runtime.engine_http import (
     EngineTimeout,
     RetryPolicy,
@@ -149,6 +151,7 @@ class GenerateClient(RolloutEngineSession):
     async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[list[int], list[float], str, str, Any]:
         async def attempt(number: int) -> tuple[list[int], list[float], str, str, Any]:
             rid = f"{rid_base}:{number}"
+            started = time.perf_counter()
             try:
                 answer = await post_once(self.session, f"{self.url}/generate", {**body, "rid": rid},
                                          headers={ROUTING_HEADER: self.routing_key},
@@ -156,7 +159,11 @@ class GenerateClient(RolloutEngineSession):
             except EngineTimeout:
                 self._abort_later(rid)
                 raise
-            return parse_generate_answer(answer)
+            finally:  # every attempt's latency, failed ones too; it goes to Redis with the task's finish
+                ENGINE_CALL.observe(self.stats, time.perf_counter() - started)
+            parsed = parse_generate_answer(answer)
+            self.stats["tokens_generated"] += len(parsed[0])
+            return parsed
 
         def on_retry(error: BaseException) -> None:
             self.stats["engine_retries"] += 1
