@@ -66,8 +66,11 @@ class RunSnapshot:
         }
 
     def epochs(self) -> list[dict[str, int]]:
-        """Per epoch: rollouts finished (done or failed) out of the epoch's `lines x repeats`."""
+        """Per epoch: rollouts finished (done or failed) out of the epoch's `lines x repeats`. Empty for a
+        run without a task plan here (legacy modules and external writers roll out on their own)."""
         per_epoch = self.lines * self.group_size
+        if per_epoch == 0:
+            return []
         done = self.prefixed("epoch_done:")
         return [{"epoch": e, "finished": done.get(str(e), 0), "total": per_epoch} for e in range(self.num_epoch)]
 
