@@ -1,4 +1,4 @@
-"""`rollout-buffer` command line: serve, worker, test-engine, demo, bench.
+"""`rollout-buffer` command line: serve, worker, status, test-engine, demo, bench.
 
 Every `serve`/`worker` flag may also come from `ROLLOUT_BUFFER_<FLAG>` (e.g. ROLLOUT_BUFFER_REDIS_URL);
 a flag given on the command line wins.
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8889)")
     _server_flags(serve)
+    serve.add_argument("--timeline-interval-s", type=float,
+                       help="seconds between the dashboard's throughput samples of each run (default 5)")
     serve.add_argument("--workers", type=int, help="in-process rollout worker loops (default 1; 0 = none)")
     serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB (default 64)")
     serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
@@ -48,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run rollout workers against a shared Redis")
     _server_flags(worker)
 
+    sub.add_parser("status", help="show runs, progress and rates of a running buffer (--watch to follow)",
+                   add_help=False)
     sub.add_parser("test-engine", help="run the SGLang-protocol test engine", add_help=False)
     sub.add_parser("demo", help="run everything on this machine and show what the trainer receives", add_help=False)
     sub.add_parser("bench", help="run the benchmark suite", add_help=False)
@@ -75,8 +79,12 @@ def serve(settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     hide_torch_notice()  # before any command imports transformers: the buffer needs no torch
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("test-engine", "demo", "bench"):
+    if argv and argv[0] in ("status", "test-engine", "demo", "bench"):
         command, rest = argv[0], argv[1:]
+        if command == "status":
+            from rollout_buffer.status import main as status_main
+
+            return status_main(rest)
         if command == "test-engine":
             from rollout_buffer.testing.engine import main as engine_main
 
