@@ -2,7 +2,8 @@
 
 It shows the run with its progress numbers, draws its charts (pixels of the series' colour on the canvas),
 lists failures by type with an example, shows the staleness empty state, refreshes itself (a run started
-while the page is open appears without a reload), and asks nothing of the outside world.
+while the page is open appears without a reload), shows the run `?run=` names, and asks nothing of the
+outside world.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def test_dashboard_shows_a_run_in_an_offline_browser(tmp_path: Path, offline_bro
         assert int(page.get_attribute("body", "data-updates") or 0) > updates
         assert text(visit, "#run-title") == second, "the newly started run is the active one"
 
+        page.goto(f"{server.url}/?run={run_id}&refresh=0", wait_until="load")
+        page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1")
+        assert text(visit, "#run-title") == run_id, "?run= picks the run to show"
+        assert page.is_visible(f'#runs tr[data-run-id="{second}"]')
         shot = visit.screenshot("dashboard.png")
         assert shot.parent == tmp_path and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
         assert visit.outside_requests() == []

@@ -29,8 +29,9 @@ STATUS = [sys.executable, "-m", "rollout_buffer.cli", "status"]
 def finished_run(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[tuple[str, str]]:
     """(buffer URL, run id) of a finished 6 x 2 run with one failed rollout, all of it read."""
     tmp = tmp_path_factory.mktemp("status")
-    with run_engine_in_thread(template="qwen2.5", seed=2, latency_s=0.02) as engine, \
-            ServerProcess(tmp / "data") as server, httpx.Client(base_url=server.url, timeout=30) as client:
+    with run_engine_in_thread(template="qwen2.5", seed=2, latency_s=0.05) as engine, \
+            ServerProcess(tmp / "data", env={"ROLLOUT_BUFFER_TIMELINE_INTERVAL_S": "0.1"}) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
         engine.configure(fail_next=1)
         run_id = start_native(client, write_rows(tmp, arithmetic_rows(6)), engine_url=engine.url,
                               tokenizer_path=qwen_tokenizer_path, repeats=2, num_process=2, engine_retries=0)
@@ -55,6 +56,7 @@ def test_status_prints_runs_progress_and_the_runs_details(finished_run: tuple[st
     assert "epoch 1" in out and "Last reads" in out and "no staleness reported" in out
     assert re.search(r"engine latency +p50 \d+ ms · p95 \d+ ms · p99 \d+ ms \(n=12\)", out), out
     assert re.search(r"rollout duration +p50 [\d.]+ m?s", out) and re.search(r"time to hand-over +p50", out)
+    assert re.search(r"rollouts/s +\S+ +[▁▂▃▄▅▆▇█]*[▂▃▄▅▆▇█][▁▂▃▄▅▆▇█]*", out), "a throughput sparkline"
 
 
 def test_status_names_what_it_cannot_show(finished_run: tuple[str, str]) -> None:

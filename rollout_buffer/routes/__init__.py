@@ -4,6 +4,7 @@
 * `writes`: `POST /buffer/write`, `/buffer/write_batch`, `/buffer/write_packed`
 * `reads`: `POST /get_rollout_data`
 * `ops`: `GET /health`, `/tasks`, `/metrics`
+* `dashboard`: `GET /` (the live dashboard page), `GET /api/dashboard`, the page's files under `/static/dashboard`
 * `docs`: `GET /docs`, `/redoc` and their assets under `/static/docs` (no CDN)
 * `rollout_buffer.remote.routes`: `POST /init`, `GET /init/{rollout_id}`
 """
