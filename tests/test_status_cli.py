@@ -45,8 +45,10 @@ def env(columns: int = 220) -> dict[str, str]:
 
 
 def test_status_prints_runs_progress_and_the_runs_details(finished_run: tuple[str, str]) -> None:
+    """The buffer's address from $ROLLOUT_BUFFER_URL (what scripts/run_agent.sh exports)."""
     url, run_id = finished_run
-    done = subprocess.run([*STATUS, "--url", url], cwd=REPO, env=env(), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(STATUS, cwd=REPO, env={**env(), "ROLLOUT_BUFFER_URL": url}, capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert run_id in out and "finished *" in out, "the run, its status, marked active"

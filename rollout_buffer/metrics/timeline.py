@@ -80,7 +80,8 @@ class TimelineSampler:
         """Sample the runs whose interval has passed here (one pipeline); returns how many samples were added."""
         clock = time.monotonic()
         due = [r for r in run_ids if clock - self._last.get(r, float("-inf")) >= self.interval_s]
-        self._last = {r: t for r, t in self._last.items() if r in run_ids}  # forget runs that went away
+        live = set(run_ids)
+        self._last = {r: t for r, t in self._last.items() if r in live}  # forget runs that went away
         if not due:
             return 0
         now = time.time() if now is None else now
