@@ -49,9 +49,10 @@ def input_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "input.jsonl", [{"instance_id": f"i{i}", "prompt": f"p{i}"} for i in range(6)])
 
 
-@pytest.fixture()
-def two_api_processes(tmp_path: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """Two `serve` processes (no workers) sharing the first one's Redis."""
+@pytest.fixture(scope="module")
+def two_api_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """Two `serve` processes (no workers) sharing the first one's Redis; each test uses its own run ids."""
+    tmp_path = tmp_path_factory.mktemp("two-apis")
     stale_dir = tmp_path / "stale_tasks"
     stale_dir.mkdir()
     (stale_dir / "stale_generator.py").write_text(STALE_TASK)
@@ -100,6 +101,8 @@ def test_every_api_process_renders_the_same_per_run_metrics(two_api_processes: t
 def test_series_do_not_grow_and_go_away_with_their_run(tmp_path: Path, input_file: Path) -> None:
     with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--workers", "0") as server, \
             httpx.Client(base_url=server.url, timeout=30) as client:
+        nothing = client.get("/api/dashboard").json()
+        assert nothing["runs"] == [] and nothing["run"] is None and nothing["selected"] is None
         run_id = start_run(client, input_file, task_type="external", repeats=1, epochs=40, run_id="long")
         keep = start_run(client, input_file, task_type="external", repeats=1, run_id="keep")
         client.post("/buffer/write", json=make_record("i0", run_id=keep))
@@ -165,13 +168,12 @@ def test_dashboard_api_names_unknown_runs_and_checks_its_parameters(two_api_proc
                                                                     input_file: Path) -> None:
     server, _ = two_api_processes
     with httpx.Client(base_url=server.url, timeout=30) as client:
-        nothing = client.get("/api/dashboard").json()
-        assert nothing["runs"] == [] and nothing["run"] is None and nothing["selected"] is None
         older = start_run(client, input_file, task_type="external", repeats=2, run_id="older")
         time.sleep(0.01)
         newer = start_run(client, input_file, task_type="external", repeats=2, run_id="newer")
         data = client.get("/api/dashboard").json()
-        assert [r["run_id"] for r in data["runs"]] == [newer, older], "newest first"
+        listed = [r["run_id"] for r in data["runs"]]
+        assert listed[:2] == [newer, older], "newest first"
         assert data["selected"] == newer == data["active_run"] and data["run"]["run_id"] == newer
         assert data["runs"][0]["tasks"]["total"] == 0
         assert data["runs"][0]["epochs"] == [], "records come from outside: no task plan to measure epochs by"
