@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from rollout_buffer import __version__
 from rollout_buffer.app_state import AppState
@@ -26,6 +26,7 @@ from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
 from rollout_buffer.responses import OrjsonResponse
 from rollout_buffer.routes import ops, policy, reads, runs, writes
+from rollout_buffer.routes.dashboard import install_dashboard
 from rollout_buffer.routes.docs import install_docs
 from rollout_buffer.runs import Runtime
 from rollout_buffer.settings import Settings
@@ -76,10 +77,6 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         state = AppState(
             settings=settings, store=store, registry=registry, runtime=factory(store, registry, settings),
             embedded=embedded, metrics=metrics,
-            writes=Counter("rollout_buffer_writes", "Record writes by outcome", ["outcome"], registry=metrics),
-            reads=Counter("rollout_buffer_reads", "Reads of rollout data by result", ["result"], registry=metrics),
-            run_stats=Gauge("rollout_buffer_run", "Totals of the active run, from Redis", ["run_id", "stat"],
-                            registry=metrics),
         )
         app.state.buffer = state
         app.state.remote = RemoteService(store, registry, settings, metrics=metrics)
@@ -107,6 +104,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     install_error_handlers(app)
     install_openapi(app)
     install_docs(app)
+    install_dashboard(app)
     for router in (runs.router, writes.router, reads.router, policy.router, ops.router, remote_router):
         app.include_router(router)
     if settings.bench_routes:

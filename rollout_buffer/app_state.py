@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import Request
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.runs import Runtime
@@ -21,10 +21,9 @@ class AppState:
     registry: TaskRegistry
     runtime: Runtime
     embedded: EmbeddedRedis | None
+    # this process's own collectors (remote rollouts' mask counters); /metrics adds them to the run metrics
+    # it reads from Redis
     metrics: CollectorRegistry
-    writes: Counter
-    reads: Counter
-    run_stats: Gauge
 
 
 def state_of(request: Request) -> AppState:

@@ -1,4 +1,4 @@
-"""`rollout-buffer` command line: serve, worker, test-engine, demo, bench.
+"""`rollout-buffer` command line: serve, worker, status, test-engine, demo, bench.
 
 Every `serve`/`worker` flag may also come from `ROLLOUT_BUFFER_<FLAG>` (e.g. ROLLOUT_BUFFER_REDIS_URL);
 a flag given on the command line wins.
@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8889)")
     _server_flags(serve)
+    serve.add_argument("--timeline-interval-s", type=float,
+                       help="seconds between the dashboard's throughput samples of each run (default 5)")
     serve.add_argument("--worker-processes", type=int,
                        help="rollout worker processes beside the API (default: one per core, at most 8; "
                             "0 = rollout loops inside the API process)")
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="worker processes (default: one per core, at most 8)")
     worker.add_argument("--workers", type=int, help="rollout loops per worker process (default 1)")
 
+    sub.add_parser("status", help="show runs, progress and rates of a running buffer (--watch to follow)",
+                   add_help=False)
     sub.add_parser("test-engine", help="run the SGLang-protocol test engine", add_help=False)
     sub.add_parser("demo", help="run everything on this machine and show what the trainer receives", add_help=False)
     sub.add_parser("bench", help="run the benchmark suite", add_help=False)
@@ -117,8 +121,12 @@ def serve(settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     hide_torch_notice()  # before any command imports transformers: the buffer needs no torch
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("test-engine", "demo", "bench"):
+    if argv and argv[0] in ("status", "test-engine", "demo", "bench"):
         command, rest = argv[0], argv[1:]
+        if command == "status":
+            from rollout_buffer.status import main as status_main
+
+            return status_main(rest)
         if command == "test-engine":
             from rollout_buffer.testing.engine import main as engine_main
 

@@ -40,6 +40,8 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:ggen                 hash   gid -> generation of a group rolled out again (absent: 0)
     rb:{R}:gstarted             hash   gid -> generation whose first task started (admission counting)
     rb:{R}:lines                hash   line index -> instance_id, in file order (runs that extend the stream)
+    rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
+    rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
@@ -166,7 +168,7 @@ def run_keys(run_id: str) -> list[str]:
     return [make(run_id) for make in (
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
         stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
-        group_version, group_generation, group_started, lines)]
+        group_version, group_generation, group_started, lines, read_log, timeline)]
 
 
 def remote(rollout_id: str) -> str:
@@ -199,3 +201,11 @@ def group_started(run_id: str) -> str:
 
 def lines(run_id: str) -> str:
     return f"{_tag(run_id)}:lines"
+
+
+def read_log(run_id: str) -> str:
+    return f"{_tag(run_id)}:read_log"
+
+
+def timeline(run_id: str) -> str:
+    return f"{_tag(run_id)}:timeline"

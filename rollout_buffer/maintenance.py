@@ -1,6 +1,6 @@
 """The API process's background upkeep, one loop: lease expiry and group timeouts for every live run (not
-only the active one), and the retention policy. Several API processes may run it on one Redis: every step
-is an atomic script or an idempotent delete."""
+only the active one), the retention policy, and the dashboard's throughput samples. Several API processes
+may run it on one Redis: every step is an atomic script or an idempotent delete."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 
 from rollout_buffer import handover, retention
 from rollout_buffer.embedded_redis import EmbeddedRedis
+from rollout_buffer.metrics.timeline import TimelineSampler
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
 
@@ -21,7 +22,7 @@ REDIS_WATCH_S = 0.1
 
 def tick_s(settings: Settings) -> float:
     """How often the loop runs: often enough for the shortest timer it serves."""
-    periods = [LEASE_SWEEP_S]
+    periods = [LEASE_SWEEP_S, settings.timeline_interval_s]
     if settings.group_timeout_s:
         periods.append(max(settings.group_timeout_s / 4, 0.05))
     if settings.run_ttl_s:
@@ -29,11 +30,15 @@ def tick_s(settings: Settings) -> float:
     return min(periods)
 
 
-async def sweep_once(store: Store, settings: Settings, *, retention_due: bool) -> None:
-    for run_id in await retention.running_runs(store):
+async def sweep_once(store: Store, settings: Settings, *, retention_due: bool,
+                     sampler: TimelineSampler | None = None) -> None:
+    live = await retention.running_runs(store)
+    for run_id in live:
         await handover.expire_leases(store, run_id)
         if settings.group_timeout_s:
             await handover.expire_groups(store, run_id, settings.group_timeout_s, settings.group_timeout_policy)
+    if sampler is not None:
+        await sampler.sample_due(live)
     if retention_due:
         deleted = await retention.apply_retention(store, retain_runs=settings.retain_runs,
                                                   run_ttl_s=settings.run_ttl_s)
@@ -46,12 +51,13 @@ async def maintain(store: Store, settings: Settings) -> None:
     period = tick_s(settings)
     retention_every = min(RETENTION_SWEEP_S, period if settings.run_ttl_s else RETENTION_SWEEP_S)
     last_retention = float("-inf")
+    sampler = TimelineSampler(store.redis, settings.timeline_interval_s)
     while True:
         await asyncio.sleep(period)
         now = time.monotonic()
         due = now - last_retention >= retention_every
         try:
-            await sweep_once(store, settings, retention_due=due)
+            await sweep_once(store, settings, retention_due=due, sampler=sampler)
             if due:
                 last_retention = now
         except Exception:

@@ -26,6 +26,7 @@ from typing import Any
 
 from rollout_buffer import group_filter, handover
 from rollout_buffer.handover import ReadBatch
+from rollout_buffer.metrics.readlog import record_read
 from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskModule
 from rollout_buffer.versions import record_version, staleness_summary
@@ -204,6 +205,10 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
             meta.update(task.get_group_data_meta_info(temp_data))
         except Exception:
             log.exception("get_group_data_meta_info of task %s failed", task_type)
+    try:  # the groups are taken already: the dashboard's log must never cost the trainer its answer
+        await record_read(store, run_id, batch, records, meta)
+    except Exception:
+        log.exception("could not log the read of run %s for the dashboard", run_id)
     return {
         "success": bool(records) or bool(info["finished_groups"]),
         "message": f"{len(info['finished_groups'])} group(s), {len(records)} sample(s)"

@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     task_lease_s: float = Field(default=600.0, gt=0)
     rollout_timeout_s: float = Field(default=1800.0, gt=0)
     log_level: str = "info"
+    # How often the upkeep loop samples each live run's counters for the dashboard's throughput charts.
+    timeline_interval_s: float = Field(default=5.0, gt=0)
     # Adds `/_bench/parse_only` (parses a record, stores nothing): the ingest benchmark's baseline.
     bench_routes: bool = False
 

@@ -244,7 +244,7 @@ def test_tasks_docs_and_metrics_are_served(client: httpx.Client, input_file: Pat
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/start_rollout", "/buffer/write", "/get_rollout_data", "/runs/{run_id}"} <= set(paths)
     metrics = client.get("/metrics").text
-    assert "rollout_buffer_writes" in metrics
+    assert f'rollout_buffer_records_written_total{{run_id="{run_id}",status="completed"}} 1.0' in metrics
     assert f'rollout_buffer_run{{run_id="{run_id}",stat="records_written"}} 1.0' in metrics
 
 

@@ -5,6 +5,7 @@
 * `reads`: `POST /get_rollout_data`, `POST /ack`
 * `policy`: `POST /policy_version`
 * `ops`: `GET /health`, `/tasks`, `/metrics`
+* `dashboard`: `GET /` (the live dashboard page), `GET /api/dashboard`, the page's files under `/static/dashboard`
 * `docs`: `GET /docs`, `/redoc` and their assets under `/static/docs` (no CDN)
 * `rollout_buffer.remote.routes`: `POST /init`, `GET /init/{rollout_id}`
 """

@@ -7,12 +7,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from rollout_buffer import __version__
 from rollout_buffer.app_state import state_of
 from rollout_buffer.http_errors import error_response
+from rollout_buffer.metrics.prometheus import render
+from rollout_buffer.metrics.snapshot import snapshot_runs
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -46,11 +48,10 @@ async def tasks(request: Request) -> Any:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Any:
-    """Prometheus text: this process's counters, and the active run's totals from Redis (drops by
-    reason, groups, records) as `rollout_buffer_run{run_id, stat}`."""
+    """Prometheus text. Every run's metrics are read from Redis at scrape time (tasks, groups, records,
+    drops, failures, leases, engine calls, tokens, duration histograms, staleness), so any API process
+    answers the same, whichever processes or hosts ran the rollouts; a deleted run's series are gone."""
     state = state_of(request)
-    run_id = await state.store.active_run()
-    if run_id:
-        for name, value in (await state.store.stats(run_id)).items():
-            state.run_stats.labels(run_id, name).set(value)
-    return PlainTextResponse(generate_latest(state.metrics), media_type=CONTENT_TYPE_LATEST)
+    runs = await snapshot_runs(state.store)
+    body = render(runs, await state.store.active_run(), __version__, extra=[state.metrics])
+    return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)

@@ -64,7 +64,6 @@ async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None 
                                      batch_id=batch_id, policy_version=body.policy_version, run_meta=meta)
     if acks:
         answer["data"]["meta_info"]["acks"] = acks
-    state.reads.labels("data" if answer["success"] else "empty").inc()
     return answer
 
 

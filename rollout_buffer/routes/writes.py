@@ -22,7 +22,6 @@ def batch_answer(state: AppState, run_id: str, uids: list[str], outcomes: list[W
     """The answer of the batch write routes: one result per record, in order, and counts."""
     results = []
     for uid, outcome in zip(uids, outcomes):
-        state.writes.labels(outcome.outcome).inc()
         results.append({"uid": uid, "outcome": outcome.outcome, "reason": outcome.reason,
                         "group_completed": outcome.outcome == "completed"})
     counts = {name: sum(1 for o in outcomes if o.outcome == name) for name in ("stored", "completed", "duplicate", "dropped")}
@@ -54,7 +53,6 @@ async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
     outcome = await state.store.write_record(run_id, parsed.to_store())
     if outcome.reason == "unknown_run":  # checked inside the write script: no extra round trip
         return error_response(404, f"unknown run_id {run_id!r}")
-    state.writes.labels(outcome.outcome).inc()
     if outcome.reason == "run_superseded":
         return await superseded_answer(state, run_id)
     data = {"uid": record.uid, "run_id": run_id, "outcome": outcome.outcome}

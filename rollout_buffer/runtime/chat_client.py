@@ -9,8 +9,10 @@ run's policy version), which gives the record its `policy_version`.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+from rollout_buffer.metrics.histograms import ENGINE_CALL
 from rollout_buffer.runtime.engine_http import (
     TransientEngineError,
     call_with_retries,
@@ -108,10 +110,16 @@ class ChatCompletionsClient(RolloutEngineSession):
 
     async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[dict[str, Any], str, int, Any]:
         async def attempt(number: int) -> tuple[dict[str, Any], str, int, Any]:
-            answer = await post_once(self.session, f"{self.url}/v1/chat/completions",
-                                     {**body, "rid": f"{rid_base}:{number}"},
-                                     headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
-            return (*parse_chat_answer(answer), chat_weight_version(answer))
+            started = time.perf_counter()
+            try:
+                answer = await post_once(self.session, f"{self.url}/v1/chat/completions",
+                                         {**body, "rid": f"{rid_base}:{number}"},
+                                         headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
+            finally:  # every attempt's latency; it goes to Redis with the task's finish
+                ENGINE_CALL.observe(self.stats, time.perf_counter() - started)
+            parsed = parse_chat_answer(answer)
+            self.stats["tokens_generated"] += parsed[2]
+            return (*parsed, chat_weight_version(answer))
 
         self.stats["engine_calls"] += 1
         return await call_with_retries(attempt, self.policy, on_retry=lambda error: self.note_retry(error, rid_base))

@@ -26,6 +26,7 @@ import aiohttp
 
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.input_keys import InputKeys, normalise, prompt_messages
+from rollout_buffer.metrics.histograms import ROLLOUT_DURATION
 from rollout_buffer.runtime.engine_http import RetryPolicy
 from rollout_buffer.runtime.engines import EngineRing
 from rollout_buffer.runtime.failure_log import FailureLog
@@ -126,6 +127,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
     else:
         record = await _rollout(handle, task, claim.sample, session=session, uid=uid, attempt=claim.attempt,
                                 stats=stats, worker=worker, started=time.monotonic())
+        ROLLOUT_DURATION.observe(stats, float(record.get("duration_s") or 0.0))
     failed = record["status"] == "failed"
     if failed:
         stats[f"rollout_errors:{record['extra_info'].get('error_type') or 'unknown'}"] += 1
@@ -136,6 +138,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
         final = "skipped"
     else:
         final = "failed" if record["status"] == "failed" else "done"
+        stats[f"epoch_done:{task.epoch}"] += 1  # per-epoch progress (dashboard)
     await queue.finish(task, final, dict(stats))
     return final
 

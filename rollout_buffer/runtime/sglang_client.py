@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from typing import Any
 
 import aiohttp
 
 from rollout_buffer.chat_format import parse_assistant_text
+from rollout_buffer.metrics.histograms import ENGINE_CALL
 from rollout_buffer.runtime.engine_http import (
     EngineTimeout,
     RetryPolicy,
@@ -198,6 +200,7 @@ class GenerateClient(RolloutEngineSession):
     async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[list[int], list[float], str, str, Any]:
         async def attempt(number: int) -> tuple[list[int], list[float], str, str, Any]:
             rid, url = f"{rid_base}:{number}", self.url
+            started = time.perf_counter()
             try:
                 answer = await post_once(self.session, f"{url}/generate", {**body, "rid": rid},
                                          headers={ROUTING_HEADER: self.routing_key},
@@ -205,7 +208,11 @@ class GenerateClient(RolloutEngineSession):
             except EngineTimeout:
                 self._abort_later(url, rid)
                 raise
-            return parse_generate_answer(answer)
+            finally:  # every attempt's latency, failed ones too; it goes to Redis with the task's finish
+                ENGINE_CALL.observe(self.stats, time.perf_counter() - started)
+            parsed = parse_generate_answer(answer)
+            self.stats["tokens_generated"] += len(parsed[0])
+            return parsed
 
         self.stats["engine_calls"] += 1
         return await call_with_retries(attempt, self.policy, on_retry=lambda error: self.note_retry(error, rid_base))
