@@ -117,7 +117,8 @@ def run(quick: bool = False, *, rollouts: int | None = None, concurrency: int | 
         engine = _spawn(["test-engine", "--port", str(engine_port), "--latency-s", str(latency_s), "--seed", "1"],
                         work / "engine.log")
         server = _spawn(["serve", "--port", str(server_port), "--data-dir", str(work / "data"), "--workers", "0",
-                         "--task-dir", str(TASKS), "--log-level", "warning"], work / "server.log")
+                         "--task-dir", str(TASKS), "--log-level", "warning", "--input-root", str(work),
+                         "--input-root", str(qwen_tokenizer_dir("qwen2.5"))], work / "server.log")
         worker: subprocess.Popen[bytes] | None = None
         try:
             engine_url, server_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{server_port}"

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_adapter.auth import remember_token, token_from
 from slime_adapter.loss_mask import VERIFY_MODES as LOSS_MASK_VERIFY_MODES
 
 __all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "FORK_POLICIES", "LOSS_MASK_VERIFY_MODES", "AgentRolloutSettings"]
@@ -67,6 +68,9 @@ class AgentRolloutSettings:
     - `buffer_url` (`rollout_buffer_url`, slime's `--rollout-buffer-url`; else `agent_rollout_buffer_url`,
       a name slime's parser does not know, read as a fallback for namespaces built by hand; else env
       `ROLLOUT_BUFFER_URL`): "http://127.0.0.1:8889", the buffer's default address. A trailing "/" is removed.
+    - `buffer_token` (`agent_rollout_buffer_token`; else env `ROLLOUT_BUFFER_AUTH_TOKEN`; else the file
+      named by `ROLLOUT_BUFFER_AUTH_TOKEN_FILE`): None. The buffer's bearer token (`slime_adapter.auth`),
+      sent with every request to `buffer_url`; never shown in the settings' repr.
     - `loss_mask_type` (`loss_mask_type`): "qwen". Only used for records without `turns`, which are
       re-rendered with the chat template: slime's choices "qwen" (Qwen2.5 ChatML), "qwen3", "qwen3_5"
       (generation prompt ending with `<think>\n`, never trained) and "distill_qwen", or a type added with
@@ -170,6 +174,7 @@ class AgentRolloutSettings:
     stop_token_ids: list[int] | None = None
     min_batch_collection_ratio: float = 1.0
     max_failed_groups: int = 8
+    buffer_token: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -220,8 +225,10 @@ class AgentRolloutSettings:
             stop_token_ids=_list_or_none(_get(args, "rollout_stop_token_ids", None), int),
             min_batch_collection_ratio=float(_get(args, "min_batch_collection_ratio", 1.0)),
             max_failed_groups=max(8, batch) if failed_groups is None else int(failed_groups),
+            buffer_token=token_from(args),
         )
         settings.check()
+        remember_token(settings.buffer_url, settings.buffer_token)
         return settings
 
     def check(self) -> None:

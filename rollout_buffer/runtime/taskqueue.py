@@ -116,6 +116,13 @@ redis.call('XACK', KEYS[4], ARGV[5], ARGV[4])
 return old
 """
 
+# KEYS: 1 meta. ARGV: 1 total. The run's planned task count, set before enqueueing starts (progress).
+_PLANNED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'tasks_total', ARGV[1])
+return 1
+"""
+
 # KEYS: 1 meta 2 stats. ARGV: 1 total 2 now. Records that enqueueing is complete; finishes an empty run.
 _ENQUEUE_DONE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -185,6 +192,17 @@ def iter_task_plan(instance_ids: list[str], num_epoch: int, repeats: int) -> Ite
                 yield seq, epoch, instance_id, repeat
 
 
+def planned_tasks(instance_ids: list[str], num_epoch: int, repeats: int, excluded: set[str]) -> int:
+    """How many tasks `iter_task_plan` yields outside the `excluded` groups, without walking the plan."""
+    ids = set(instance_ids)
+    skipped = 0
+    for group_id in excluded:
+        epoch, _, instance_id = group_id.partition(":")
+        if epoch.isdecimal() and int(epoch) < num_epoch and instance_id in ids:
+            skipped += 1
+    return (len(ids) * num_epoch - skipped) * repeats
+
+
 class TaskQueue:
     """One run's stream and consumer group."""
 
@@ -196,6 +214,7 @@ class TaskQueue:
         self._start = client.register_script(_START)
         self._finish = client.register_script(_FINISH)
         self._enqueue_done = client.register_script(_ENQUEUE_DONE)
+        self._planned = client.register_script(_PLANNED)
         self._scripts: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts)
 
     async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
@@ -211,11 +230,25 @@ class TaskQueue:
     async def enqueue_done(self) -> bool:
         return await self.redis.hget(keys.run_meta(self.run_id), "enqueue_done") in (b"1", "1")
 
+    async def progress(self) -> dict[str, Any]:
+        """`enqueued` (tasks in the stream), `tasks_total` (planned; None until enqueueing began), `done`."""
+        meta = keys.run_meta(self.run_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(self.stream)
+            pipe.hmget(meta, ["tasks_total", "enqueue_done"])
+            length, (total, done) = await pipe.execute()
+        return {"enqueued": int(length), "tasks_total": None if total is None else int(total),
+                "done": done in (b"1", "1")}
+
     async def enqueue(self, samples: list[dict[str, Any]], *, num_epoch: int, repeats: int,
                       excluded: set[str], chunk: int = 2000) -> int:
         """Store the samples and add every task not yet in the stream, except those of the `excluded`
-        groups (`"epoch:instance_id"`, trained already); returns how many were added."""
+        groups (`"epoch:instance_id"`, trained already); returns how many were added. The planned total is
+        in the run's meta (`tasks_total`) from the start, the stream's length is the progress."""
         await self.ensure_group()
+        ids = [s["instance_id"] for s in samples]
+        await self._planned(keys=[keys.run_meta(self.run_id)],
+                            args=[planned_tasks(ids, num_epoch, repeats, excluded)])
         for start in range(0, len(samples), chunk):
             part = samples[start:start + chunk]
             await self.redis.hset(keys.samples(self.run_id),
@@ -224,7 +257,6 @@ class TaskQueue:
         total = 0
         batch: list[str] = []
         enqueue_keys = [self.stream, keys.stats(self.run_id), keys.run_meta(self.run_id)]
-        ids = [s["instance_id"] for s in samples]
         for seq, epoch, instance_id, repeat in iter_task_plan(ids, num_epoch, repeats):
             if keys.gid(epoch, instance_id) in excluded:
                 continue

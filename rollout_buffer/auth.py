@@ -1,0 +1,99 @@
+"""Bearer-token authentication of every route but `/health`, and per-run write capabilities.
+
+With a token set (`--auth-token`, `ROLLOUT_BUFFER_AUTH_TOKEN` or `--auth-token-file`), a request must carry
+`Authorization: Bearer <token>`; the comparison is constant-time (`hmac.compare_digest`). Anything else
+gets 401 before the route runs or the body is read. `/health` stays open so load balancers and start-up
+scripts can probe the server without the secret.
+
+slime-style task modules post their records with plain `requests`/`urllib` and no headers, to the URL they
+are given. They get a capability URL instead of the token: `<buffer>/runs/<run_id>/cap/<key>`, where
+`key` is an HMAC-SHA256 of the run id under the token. `POST <that URL>/buffer/write` is accepted, and
+rewritten to `/runs/<run_id>/buffer/write`; the key opens nothing else, and no other run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import re
+
+import orjson
+from starlette._utils import get_route_path
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+OPEN_PATHS = frozenset({"/health"})
+CAPABILITY_PATH = re.compile(r"^/runs/(?P<run_id>[^/]+)/cap/(?P<key>[0-9a-f]{64})/buffer/write$")
+_BEARER = b"bearer "
+
+
+def capability(token: str, run_id: str) -> str:
+    """The write key of one run: HMAC-SHA256(token, run id), hex."""
+    return hmac.new(token.encode(), f"run-write:{run_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def run_write_url(buffer_url: str, run_id: str, token: str | None) -> str:
+    """The base URL a slime-style module of `run_id` posts `/buffer/write` under: the run's own URL, with
+    its write key in the path when the server requires a token."""
+    base = f"{buffer_url.rstrip('/')}/runs/{run_id}"
+    return f"{base}/cap/{capability(token, run_id)}" if token else base
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_matches(header: bytes | None, token: bytes) -> bool:
+    """Constant-time check of an `Authorization` header value against the token."""
+    if header is None or len(header) < len(_BEARER) or header[: len(_BEARER)].lower() != _BEARER:
+        return False
+    return hmac.compare_digest(header[len(_BEARER):].strip(), token)
+
+
+class BearerAuth:
+    """ASGI middleware: 401 for every request without the token, except `OPEN_PATHS` and a valid
+    capability write (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token
+        self._token_bytes = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path = get_route_path(scope)
+        if path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), None)
+        if bearer_matches(header, self._token_bytes):
+            await self.app(scope, receive, send)
+            return
+        match = CAPABILITY_PATH.match(path)
+        if (match and scope["type"] == "http" and scope.get("method") == "POST"
+                and hmac.compare_digest(match["key"], capability(self.token, match["run_id"]))):
+            prefix = scope["path"][: len(scope["path"]) - len(path)]
+            rewritten = f"/runs/{match['run_id']}/buffer/write"
+            await self.app({**scope, "path": prefix + rewritten, "raw_path": (prefix + rewritten).encode()},
+                           receive, send)
+            return
+        await self._refuse(scope, send)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = orjson.dumps({"success": False, "message": "authentication required: send 'Authorization: Bearer "
+                                                          "<token>' with the server's --auth-token"})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
