@@ -16,6 +16,7 @@ serving process that received `/start_rollout`, whatever `--workers` says.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -27,7 +28,7 @@ from rollout_buffer.runs import RunSpec, StartRolloutError
 from rollout_buffer.runtime.inputs import read_samples
 from rollout_buffer.runtime.legacy import LegacyRunner
 from rollout_buffer.runtime.options import RunOptions
-from rollout_buffer.runtime.taskqueue import TaskQueue
+from rollout_buffer.runtime.taskqueue import EnqueueStopped, TaskQueue
 from rollout_buffer.runtime.tokenizers import get_tokenizer
 from rollout_buffer.runtime.worker import WorkerPool, publish_run
 from rollout_buffer.schema import StartRolloutRequest
@@ -70,6 +71,9 @@ class RolloutRuntime:
         self.legacy = LegacyRunner(store)
         self._enqueuers: dict[str, asyncio.Task[None]] = {}
         self._resumer: asyncio.Task[None] | None = None
+        # set at shutdown: enqueuers stop between chunks (task cancellation alone is not reliable while a
+        # Redis command is in flight)
+        self._stopping = asyncio.Event()
 
     def start(self) -> None:
         """Start the in-process workers (they resume every running run they find), and carry on enqueueing
@@ -150,16 +154,20 @@ class RolloutRuntime:
         """Store the run's lines and tasks; Redis outages are retried (enqueueing is idempotent), a file
         that can no longer be read fails the run (counted, logged)."""
         queue = TaskQueue(self.store.redis, run_id)
-        while True:
+        while not self._stopping.is_set():
             try:
                 samples = await asyncio.to_thread(read_samples, request.input_file)
-                added = await queue.enqueue(samples, num_epoch=request.num_epoch,
+                added = await queue.enqueue(samples, num_epoch=request.num_epoch, stop=self._stopping,
                                             repeats=request.num_repeat_per_sample, excluded=excluded)
                 log.info("run %s: enqueued %d task(s) for %d line(s)", run_id, added, len(samples))
                 return
+            except EnqueueStopped as exc:
+                log.info("%s; the next start carries on", exc)
+                return
             except (RedisError, OSError) as exc:
                 log.warning("run %s: enqueueing lost Redis (%s); retrying", run_id, exc)
-                await asyncio.sleep(ENQUEUE_RETRY_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), ENQUEUE_RETRY_S)
             except StartRolloutError as exc:  # the file changed or vanished since the start checked it
                 log.error("run %s: cannot enqueue its tasks: %s; the run is failed", run_id, exc)
                 await self.store.incr_stat(run_id, "enqueue_errors")
@@ -191,9 +199,8 @@ class RolloutRuntime:
 
     async def shutdown(self) -> None:
         log.debug("runtime shutting down")
+        self._stopping.set()
         background = [t for t in (self._resumer, *self._enqueuers.values()) if t is not None]
-        for task in background:
-            task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         if self.pool is not None:
             await self.pool.close()

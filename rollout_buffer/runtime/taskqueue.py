@@ -11,6 +11,7 @@ ends, so the counters stay exact however often a task is delivered. A rollout ma
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,6 +138,10 @@ return 0
 """
 
 
+class EnqueueStopped(Exception):
+    """`TaskQueue.enqueue` was asked to stop (the process is shutting down); nothing is lost."""
+
+
 @dataclass(frozen=True)
 class TaskStart:
     """What `TaskQueue.start` found: run the rollout only when `proceed`."""
@@ -241,15 +246,18 @@ class TaskQueue:
                 "done": done in (b"1", "1")}
 
     async def enqueue(self, samples: list[dict[str, Any]], *, num_epoch: int, repeats: int,
-                      excluded: set[str], chunk: int = 2000) -> int:
+                      excluded: set[str], chunk: int = 2000, stop: asyncio.Event | None = None) -> int:
         """Store the samples and add every task not yet in the stream, except those of the `excluded`
         groups (`"epoch:instance_id"`, trained already); returns how many were added. The planned total is
-        in the run's meta (`tasks_total`) from the start, the stream's length is the progress."""
+        in the run's meta (`tasks_total`) from the start, the stream's length is the progress. `stop`,
+        checked between chunks, ends early with `EnqueueStopped` (a later call carries on)."""
         await self.ensure_group()
         ids = [s["instance_id"] for s in samples]
         await self._planned(keys=[keys.run_meta(self.run_id)],
                             args=[planned_tasks(ids, num_epoch, repeats, excluded)])
         for start in range(0, len(samples), chunk):
+            if stop is not None and stop.is_set():
+                raise EnqueueStopped(f"run {self.run_id}: enqueueing stopped while storing its lines")
             part = samples[start:start + chunk]
             await self.redis.hset(keys.samples(self.run_id),
                                   mapping={s["instance_id"]: _dumps(s) for s in part})
@@ -263,6 +271,8 @@ class TaskQueue:
             total += 1
             batch.extend((str(seq), str(epoch), instance_id, str(repeat)))
             if len(batch) >= chunk * 4:
+                if stop is not None and stop.is_set():
+                    raise EnqueueStopped(f"run {self.run_id}: enqueueing stopped after {added} new task(s)")
                 added += int(await self._enqueue(keys=enqueue_keys, args=batch))
                 batch = []
         if batch:
