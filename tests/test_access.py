@@ -168,3 +168,20 @@ def test_policy_units(tmp_path: Path) -> None:
         assert policy.tokenizer("root/tok").local
     finally:
         os.chdir(cwd)
+
+
+def test_environment_forms_of_the_network_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_buffer.cli import build_parser, settings_from
+    from rollout_buffer.settings import Settings
+
+    monkeypatch.setenv("ROLLOUT_BUFFER_ALLOW_URL", "http://a:1/v1, http://b:2  http://c:3")
+    monkeypatch.setenv("ROLLOUT_BUFFER_INPUT_ROOT", f"/data/a{os.pathsep}/data/b")
+    monkeypatch.setenv("ROLLOUT_BUFFER_ALLOW_HUB_DOWNLOADS", "1")
+    settings = Settings()
+    assert settings.allow_url == ["http://a:1/v1", "http://b:2", "http://c:3"]
+    assert settings.input_root == [Path("/data/a"), Path("/data/b")] and settings.allow_hub_downloads
+    monkeypatch.delenv("ROLLOUT_BUFFER_ALLOW_HUB_DOWNLOADS")
+    assert settings_from(build_parser().parse_args(["worker", "--allow-hub-downloads"])).allow_hub_downloads
+    assert not settings_from(build_parser().parse_args(["worker"])).allow_hub_downloads
+    flags = settings_from(build_parser().parse_args(["serve", "--allow-url", "http://x:1", "--input-root", "/r"]))
+    assert flags.allow_url == ["http://x:1"] and flags.input_root == [Path("/r")], "a flag wins over the environment"

@@ -24,6 +24,7 @@ from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 
 
 def test_the_tokenizer_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tokenizers.CACHE_SIZE == 8, "the README says 8"
     monkeypatch.setattr(tokenizers, "CACHE_SIZE", 2)
     monkeypatch.setattr(tokenizers, "_cache", OrderedDict())
     a, b, c = (str(qwen_tokenizer_dir(t)) for t in ("qwen2.5", "qwen3", "r1_distill"))

@@ -36,6 +36,20 @@ TOKEN = "fuzz-token-" + "0123456789abcdef" * 2
 TASKS = str(REPO / "tests" / "tasks")
 
 OPENAPI: dict[str, Any] = create_app(Settings()).openapi()  # the document the server serves (static)
+MAX_ITEMS = 4
+
+
+def short_lists(node: Any) -> Any:
+    """The schema with every `maxItems` cut to `MAX_ITEMS`: generating batches of up to 10,000 records
+    costs minutes and tests nothing the short ones do not (the size limits are pydantic's own)."""
+    if isinstance(node, dict):
+        return {k: (min(v, MAX_ITEMS) if k == "maxItems" and isinstance(v, int) else short_lists(v))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [short_lists(v) for v in node]
+    return node
+
+
 OPERATIONS = [(method.upper(), path) for path, operations in OPENAPI["paths"].items() for method in operations]
 
 
@@ -45,7 +59,7 @@ def _packed_records(ctx: Any, value: Any) -> dict[str, Any]:
     return {"data": value if isinstance(value, bytes) else str(value).encode()}
 
 
-SCHEMA = schemathesis.openapi.from_dict(OPENAPI)
+SCHEMA = schemathesis.openapi.from_dict(short_lists(OPENAPI))
 
 
 @dataclass
@@ -138,4 +152,5 @@ def test_without_the_token_every_route_but_health_is_401(fuzzed: Fuzzed, method:
 
 def test_the_target_run_survived(fuzzed: Fuzzed) -> None:
     detail = requests.get(f"{fuzzed.server.url}/runs/{fuzzed.run_id}", headers=auth(), timeout=30)
-    assert detail.status_code == 200 and detail.json()["meta"]["status"] == "running"
+    assert detail.status_code == 200 and detail.json()["meta"]["status"] in ("running", "finished"), \
+        "no fuzzed request deleted or superseded it"
