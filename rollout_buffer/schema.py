@@ -12,8 +12,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RecordStatus = Literal["completed", "truncated", "aborted", "failed"]
-# Token ids are stored as int32 (rollout_buffer.packing); vocabularies are far smaller.
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 
 
@@ -22,8 +20,8 @@ class Turn(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    prompt_ids: list[TokenId]
-    output_ids: list[TokenId]
+    prompt_ids: list[int]
+    output_ids: list[int]
     output_logprobs: list[float] | None = None
     finish_reason: str | None = None
     weight_version: str | int | None = None
