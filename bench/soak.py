@@ -4,11 +4,12 @@ One real `rollout-buffer serve` (token set, in-process workers) is driven for `-
 a native run (`echo_line`, enqueued and rolled out by the workers), a slime-style legacy run (a
 `run_rollout` thread writing through its capability URL) and an externally written run (`/buffer/write`,
 `/buffer/write_batch`, `/buffer/write_packed`), reads every group with leased reads and acks, then deletes
-the three runs. The server process's RSS is taken after `WARMUP_CYCLES` cycles (imports, pools and
-caches filled) and at the end; the soak fails when the end is more than `--max-growth` (default 10%)
+the three runs. The server process's RSS is taken after a warm-up (`--warmup-s`, default 60 s, at least
+`WARMUP_CYCLES` cycles: imports done, Redis connection pool and allocator arenas grown to the load's
+size) and at the end; the soak fails when the end is more than `--max-growth` (default 10%)
 above the start. The embedded redis-server's RSS is reported too (its data is deleted with the runs).
 
-    python -m bench.soak [--minutes 5] [--max-growth 0.10]
+    python -m bench.soak [--minutes 5] [--warmup-s 60] [--max-growth 0.10]
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _rss_mb(process: psutil.Process) -> float:
     return process.memory_info().rss / 2**20
 
 
-def run(minutes: float = 5.0, max_growth: float = 0.10) -> dict[str, Any]:
+def run(minutes: float = 5.0, max_growth: float = 0.10, warmup_s: float = 60.0) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     from tests.helpers import ServerProcess, write_jsonl
 
@@ -113,9 +114,11 @@ def run(minutes: float = 5.0, max_growth: float = 0.10) -> dict[str, Any]:
             redis_pid = int((tmp_path / "data" / "redis.pid").read_text())
             redis_server = psutil.Process(redis_pid)
             cycles = records = 0
-            for _ in range(WARMUP_CYCLES):
+            warm_until = time.monotonic() + warmup_s
+            while cycles < WARMUP_CYCLES or time.monotonic() < warm_until:
                 records += cycle(client, input_file, cycles)
                 cycles += 1
+            warmup_cycles = cycles
             start_rss, start_redis = _rss_mb(api), _rss_mb(redis_server)
             started = time.monotonic()
             while time.monotonic() - started < minutes * 60:
@@ -124,7 +127,7 @@ def run(minutes: float = 5.0, max_growth: float = 0.10) -> dict[str, Any]:
             end_rss, end_redis = _rss_mb(api), _rss_mb(redis_server)
             runs_left = client.get("/runs").json()["runs"]
     growth = end_rss / start_rss - 1
-    return {"minutes": minutes, "cycles": cycles, "runs_started": 3 * cycles, "records_read": records,
+    return {"minutes": minutes, "warmup_s": warmup_s, "warmup_cycles": warmup_cycles, "cycles": cycles, "runs_started": 3 * cycles, "records_read": records,
             "rss_start_mb": start_rss, "rss_end_mb": end_rss, "rss_growth": growth,
             "redis_rss_start_mb": start_redis, "redis_rss_end_mb": end_redis, "runs_left": runs_left,
             "max_growth": max_growth, "ok": growth <= max_growth and not runs_left}
@@ -135,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to drive the server (default 5)")
     parser.add_argument("--max-growth", type=float, default=0.10, help="largest RSS growth allowed (default 0.10)")
+    parser.add_argument("--warmup-s", type=float, default=60.0, help="driving before the start RSS (default 60)")
     args = parser.parse_args(argv)
-    r = run(args.minutes, args.max_growth)
+    r = run(args.minutes, args.max_growth, args.warmup_s)
     print(f"soak: {r['cycles']} cycles ({r['runs_started']} runs started and deleted, {r['records_read']} records "
-          f"read) in {r['minutes']:g} min after {WARMUP_CYCLES} warm-up cycles")
+          f"read); RSS measured over {r['minutes']:g} min after {r['warmup_cycles']} warm-up cycles "
+          f"({r['warmup_s']:g} s)")
     print(f"server RSS {r['rss_start_mb']:.1f} MB -> {r['rss_end_mb']:.1f} MB ({r['rss_growth']:+.1%}, limit "
           f"{r['max_growth']:+.0%}); redis-server RSS {r['redis_rss_start_mb']:.1f} MB -> {r['redis_rss_end_mb']:.1f} MB; "
           f"runs left: {len(r['runs_left'])}")

@@ -19,7 +19,6 @@ import ipaddress
 import re
 
 import orjson
-from starlette._utils import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health"})
@@ -37,6 +36,13 @@ def run_write_url(buffer_url: str, run_id: str, token: str | None) -> str:
     its write key in the path when the server requires a token."""
     base = f"{buffer_url.rstrip('/')}/runs/{run_id}"
     return f"{base}/cap/{capability(token, run_id)}" if token else base
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: the request path without the app's `root_path` (behind a proxy)."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def is_loopback(host: str) -> bool:
@@ -69,7 +75,7 @@ class BearerAuth:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        path = get_route_path(scope)
+        path = route_path(scope)
         if path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
