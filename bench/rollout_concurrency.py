@@ -151,7 +151,8 @@ def run(quick: bool = False, *, rollouts: int | None = None, concurrency: int | 
                         work / "engine.log")
         processes_flag = [] if worker_processes is None else ["--worker-processes", str(worker_processes)]
         server = _spawn(["serve", "--port", str(server_port), "--data-dir", str(work / "data"), *processes_flag,
-                         "--task-dir", str(TASKS), "--log-level", "warning"], work / "server.log")
+                         "--task-dir", str(TASKS), "--log-level", "warning", "--input-root", str(work),
+                         "--input-root", str(qwen_tokenizer_dir("qwen2.5"))], work / "server.log")
         try:
             engine_url, server_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{server_port}"
             _wait_for(f"{engine_url}/health", engine)

@@ -16,7 +16,9 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from rollout_buffer import __version__
+from rollout_buffer.access import AccessPolicy
 from rollout_buffer.app_state import AppState
+from rollout_buffer.auth import BearerAuth
 from rollout_buffer.bodies import install_openapi
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.http_errors import BodySizeLimit, install_error_handlers
@@ -109,5 +111,9 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         app.include_router(router)
     if settings.bench_routes:
         app.include_router(writes.bench_router)
+    app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    token = settings.resolved_auth_token()
+    if token is not None:  # outermost: a request without the token is refused before its body is read
+        app.add_middleware(BearerAuth, token=token)
     return app

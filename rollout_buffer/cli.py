@@ -7,6 +7,7 @@ a flag given on the command line wins.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,9 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", help="debug | info | warning | error (default info)")
     parser.add_argument("--task-lease-s", type=float, help="seconds before an unacknowledged task is reclaimed")
     parser.add_argument("--rollout-timeout-s", type=float, help="per-rollout time limit (default 1800)")
+    parser.add_argument("--allow-hub-downloads", action="store_true", default=None,
+                        help="download tokenizers named by hub id when not in the local Hugging Face cache "
+                             "(default: cache only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "are deleted (default: keep all)")
     serve.add_argument("--run-ttl-s", type=float, help="delete a retired run this many seconds after it ended "
                                                        "(default: keep)")
+    network = serve.add_argument_group("running on a network (README: Running on a network)")
+    network.add_argument("--auth-token", help="require 'Authorization: Bearer TOKEN' on every route but /health "
+                                              "(prefer ROLLOUT_BUFFER_AUTH_TOKEN or --auth-token-file: "
+                                              "a flag is visible in the process list)")
+    network.add_argument("--auth-token-file", type=Path, help="read the token from the first line of this file")
+    network.add_argument("--input-root", type=Path, action="append",
+                         help="folder that input_file and local tokenizer_path may name (repeatable; "
+                              "default: the directory the server started in)")
+    network.add_argument("--allow-url", action="append",
+                         help="URL prefix the server may call: engines, /init server_url and its callback "
+                              "(repeatable; default: any)")
+    network.add_argument("--max-tasks-per-run", type=int,
+                         help="largest lines x num_epoch x num_repeat_per_sample of one run (default 10000000)")
 
     worker = sub.add_parser("worker", help="run rollout workers against a shared Redis")
     _server_flags(worker)
@@ -72,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None and k != "command"}
+    # one token source: the one given on the command line wins over the other's environment variable
+    if "auth_token" in given:
+        given.setdefault("auth_token_file", None)
+    elif "auth_token_file" in given:
+        given["auth_token"] = None
     return Settings(**given)
 
 
@@ -105,13 +127,32 @@ def check_redis(settings: Settings) -> str | None:
     return None
 
 
+def warn_if_exposed(settings: Settings) -> bool:
+    """Log a loud warning when the server listens beyond loopback without a token; True if it did."""
+    from rollout_buffer.auth import is_loopback
+
+    if is_loopback(settings.host) or settings.auth_token is not None or settings.auth_token_file is not None:
+        return False
+    logging.getLogger("rollout_buffer").warning(
+        "\n%s\nSERVING ON %s WITHOUT AN AUTH TOKEN: anyone who reaches port %d can start runs, read and delete "
+        "every rollout, and make this server call URLs of their choosing. Set ROLLOUT_BUFFER_AUTH_TOKEN (or "
+        "--auth-token-file) and see README 'Running on a network'.\n%s", "!" * 100, settings.host, settings.port,
+        "!" * 100)
+    return True
+
+
 def serve(settings: Settings) -> int:
     import uvicorn
 
     from rollout_buffer.api import create_app
 
     configure_logging(settings.log_level)
-    app = create_app(settings)
+    warn_if_exposed(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # an unreadable token file, a malformed --allow-url
+        print(f"rollout-buffer serve: {exc}", file=sys.stderr)
+        return 2
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the lifespan stops workers and Redis.
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=10)

@@ -85,15 +85,18 @@ def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, wor
     log_path = workdir / "server.log"
     with run_engine_in_thread(template="qwen2.5", latency_s=latency_s, seed=1) as engine, \
             open(log_path, "ab") as log:
+        tokenizer_path = str(qwen_tokenizer_dir("qwen2.5"))
+        # the prompts and the tokenizer live outside the current directory: name them as input roots
         server = subprocess.Popen([sys.executable, "-m", "rollout_buffer.cli", "serve", "--port", str(port),
-                                   "--data-dir", str(workdir / "data"), "--log-level", "warning"],
+                                   "--data-dir", str(workdir / "data"), "--log-level", "warning",
+                                   "--input-root", str(workdir), "--input-root", tokenizer_path],
                                   stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(url, server, 30)
             print(f"test engine at {engine.url}, buffer at {url}, data in {workdir}")
             body = {"task_type": "math", "input_file": str(input_file), "num_repeat_per_sample": repeats,
                     "num_epoch": 1, "num_process": 64, "remote_engine_url": engine.url,
-                    "tokenizer_path": str(qwen_tokenizer_dir("qwen2.5")),
+                    "tokenizer_path": tokenizer_path,
                     "sampling_params": {"max_tokens": 256, "temperature": 1.0}}
             with httpx.Client(base_url=url, timeout=60) as client:
                 started = time.monotonic()

@@ -15,6 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout_buffer.packing import PackingError
 from rollout_buffer.responses import OrjsonResponse
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,16 @@ async def _redis_down_handler(request: Request, exc: Exception) -> OrjsonRespons
                                f"idempotent): {type(exc).__name__}: {exc}")
 
 
+async def _unstorable_handler(request: Request, exc: Exception) -> OrjsonResponse:
+    """A value JSON allows but the store's packed form does not (integers beyond 64 bits, token ids beyond
+    int32). Records are packed before any Redis call, so nothing was stored."""
+    return error_response(422, f"the request holds a value that cannot be stored: {exc}")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(orjson.JSONEncodeError, _unstorable_handler)
+    app.add_exception_handler(PackingError, _unstorable_handler)
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
     for error in (RedisConnectionError, RedisTimeoutError, BusyLoadingError):
         app.add_exception_handler(error, _redis_down_handler)
@@ -87,7 +96,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge()
+                    raise _TooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -109,5 +118,9 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(StarletteHTTPException):
+    """Raised from `receive` when the streamed body passes the limit. An HTTPException, so FastAPI's own
+    body parsing (which turns other errors into 400) lets it through and the answer is 413 on every route."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {max_bytes} bytes (set --max-body-mb)")

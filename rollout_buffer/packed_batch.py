@@ -15,13 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_buffer.packing import (
-    PackingError,
-    check_arrays,
-    pack_record,
-    read_header,
-    with_header,
-)
+from rollout_buffer.packing import PackingError, check_arrays, pack_record, read_header, with_header
 from rollout_buffer.schema import TrajectoryRecord
 
 CONTENT_TYPE = "application/x-rollout-records"

@@ -29,6 +29,9 @@ _SWAP = sys.byteorder != "little"
 _TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "finish_reason", "weight_version", "version_spans")
 
 
+_META_KEYS = frozenset({"ext", "p", "o", "lp", "finish_reason", "weight_version"})
+
+
 class PackingError(ValueError):
     pass
 
@@ -130,11 +133,14 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
         raise PackingError("_turns must be a list")
     view = memoryview(blob)
     for i, meta in enumerate(metas):
-        try:
-            p, o, width, ext = int(meta["p"]), int(meta["o"]), int(meta["lp"]), meta["ext"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PackingError(f"turn {i}: bad array metadata ({exc})") from exc
-        if p < 0 or o < 0 or width not in (0, 4, 8) or not isinstance(ext, bool) or (ext and i == 0):
+        # exactly what pack_record writes, with exact types: what is accepted here is what a read unpacks
+        if not isinstance(meta, dict) or set(meta) != _META_KEYS:
+            raise PackingError(f"turn {i}: bad array metadata (keys must be {sorted(_META_KEYS)})")
+        p, o, width, ext = meta["p"], meta["o"], meta["lp"], meta["ext"]
+        if (any(type(x) is not int for x in (p, o, width)) or p < 0 or o < 0 or width not in (0, 4, 8)
+                or not isinstance(ext, bool) or (ext and i == 0)
+                or not isinstance(meta["finish_reason"], (str, type(None)))
+                or type(meta["weight_version"]) not in (str, int, type(None))):
             raise PackingError(f"turn {i}: bad array metadata")
         _check_spans(i, meta.get("vs"), o)
         end = offset + 4 * (p + o) + width * o

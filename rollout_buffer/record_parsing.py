@@ -111,9 +111,9 @@ def _document(body: bytes) -> Any:
     for attempt in (1, 2):
         try:
             return _parser().parse(body)
-        except RuntimeError:  # proxies of an earlier document are still alive: take a fresh parser
-            if attempt == 2:
-                raise
+        except RuntimeError as exc:  # proxies of an earlier document still alive, or JSON simdjson cannot
+            if attempt == 2:  # hold (integers beyond 64 bits): a fresh parser, then the model decides
+                raise _Unusual("simdjson") from exc
             _local.parser = None
         except ValueError as exc:  # not JSON: the model's parser names the problem
             raise _Unusual("json") from exc
@@ -124,7 +124,8 @@ def _split(document: Any) -> tuple[dict[str, Any], list[ArrayTurn] | None]:
     """A record object's fields other than `turns` as plain values, and its turns as arrays."""
     if not isinstance(document, simdjson.Object):
         raise _Unusual("not an object")
-    fields = {key: _plain(document[key]) for key in document.keys() if key != "turns"}
+    # items(), not document[key]: a key lookup stops at a NUL in the key (found by the API fuzz test)
+    fields = {key: _plain(value) for key, value in document.items() if key != "turns"}
     raw_turns = document.get("turns")
     if raw_turns is None:
         return fields, None

@@ -30,15 +30,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
 
 from rollout_buffer import handover, keys
+from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.input_file import InputFileError, iter_lines
 from rollout_buffer.input_keys import InputKeyError, InputKeys, normalise
 from rollout_buffer.run_policy import PolicyError, RunPolicy
@@ -99,22 +100,24 @@ def derive_run_id(request: StartRolloutRequest) -> str:
     return f"{task}-{digest}"
 
 
-def validate_start(request: StartRolloutRequest, registry: TaskRegistry) -> TaskModule:
-    """Check what pydantic cannot: the task exists, the input file is readable."""
+def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
+                   access: AccessPolicy | None = None) -> TaskModule:
+    """Check what pydantic cannot: the task exists, the input file is a readable file under the input
+    roots (it is replaced by its real path, so every later read opens the file that was checked), the
+    engine URL is one the server may call. `access` defaults to the current directory as the only root."""
     task = registry.get(request.task_type)
     if task is None:
         known = ", ".join(sorted(registry.tasks)) or "none"
         raise StartRolloutError("task_type", f"unknown task_type {request.task_type!r} (known: {known})")
     if request.run_id is not None and not _RUN_ID_RE.match(request.run_id):
         raise StartRolloutError("run_id", "must be 1-128 characters of letters, digits, '_', '.', '-'")
-    path = request.input_file
-    if not os.path.isfile(path):
-        raise StartRolloutError("input_file", f"{path!r} does not exist or is not a file")
+    access = access or AccessPolicy(roots=(Path.cwd().resolve(),))
     try:
-        with open(path, "rb") as handle:
-            handle.read(1)
-    except OSError as exc:
-        raise StartRolloutError("input_file", f"{path!r} is not readable: {exc.strerror}") from exc
+        request.input_file = access.input_file(request.input_file)
+        if request.remote_engine_url:
+            access.url("remote_engine_url", request.remote_engine_url)
+    except AccessDenied as exc:
+        raise StartRolloutError(exc.field, str(exc), exc.status_code) from exc
     return task
 
 
@@ -197,10 +200,10 @@ def trained_groups(request: StartRolloutRequest, handed: set[str]) -> set[str]:
 
 
 async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutRequest,
-                    runtime: Runtime | None = None) -> RunSpec:
+                    runtime: Runtime | None = None, access: AccessPolicy | None = None) -> RunSpec:
     """Create (or find) the run, record what was trained, make it the active run. Launching is the
     caller's. Everything that can refuse the request runs before anything is stored."""
-    task = validate_start(request, registry)
+    task = validate_start(request, registry, access)
     try:
         policy = RunPolicy.from_request(request, task.kind)
     except PolicyError as exc:

@@ -62,7 +62,7 @@ class Turn(BaseModel):
 class TrajectoryRecord(BaseModel):
     """One finished rollout of one prompt: the unit `/buffer/write` stores."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     uid: str = Field(min_length=1)
     instance_id: str = Field(min_length=1)
@@ -77,7 +77,7 @@ class TrajectoryRecord(BaseModel):
     timestamp: float | None = None
     turns: list[Turn] | None = None
     run_id: str | None = None
-    epoch: int | None = None
+    epoch: int | None = Field(default=None, ge=0, le=1_000_000)
     # The policy version the record was generated under: its oldest turn's (see rollout_buffer.versions);
     # derived from the turns when absent.
     policy_version: int | None = Field(default=None, ge=0)
@@ -117,9 +117,10 @@ class TrajectoryRecord(BaseModel):
 
 
 class StartRolloutRequest(BaseModel):
-    """Body of `/start_rollout`. slime sends every value as text; pydantic coerces."""
+    """Body of `/start_rollout`. slime sends every value as text; pydantic coerces. Numbers are finite and
+    in range (the run options in `extra` are checked by `rollout_buffer.runtime.options`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     task_type: str = Field(min_length=1)
     input_file: str = Field(min_length=1)
@@ -128,7 +129,7 @@ class StartRolloutRequest(BaseModel):
     num_repeat_per_sample: int = Field(default=1, ge=1, le=4096)
     remote_engine_url: str = ""
     remote_buffer_url: str = ""
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     tokenizer_path: str | None = None
     # slime's resume list: instance ids of trained groups, one entry per trained group (an id listed k
@@ -137,7 +138,7 @@ class StartRolloutRequest(BaseModel):
     # The exact form: "<epoch>:<instance_id>" keys of trained groups (`meta_info.finished_group_keys`).
     skip_groups: list[str] = Field(default_factory=list)
     run_id: str | None = None
-    min_valid_group_size: int | None = Field(default=None, ge=1)
+    min_valid_group_size: int | None = Field(default=None, ge=1, le=4096)
 
     @field_validator("skip_groups", mode="before")
     @classmethod

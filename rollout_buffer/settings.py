@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+DEFAULT_MAX_TASKS_PER_RUN = 10_000_000
 MAX_DEFAULT_WORKER_PROCESSES = 8
 
 
@@ -62,8 +63,22 @@ class Settings(BaseSettings):
     timeline_interval_s: float = Field(default=5.0, gt=0)
     # Adds `/_bench/parse_only` (parses a record, stores nothing): the ingest benchmark's baseline.
     bench_routes: bool = False
+    # Network safety (README "Running on a network"). With a token, every route but /health needs
+    # `Authorization: Bearer <token>`; `auth_token_file` reads it from a file (first line) instead.
+    auth_token: SecretStr | None = None
+    auth_token_file: Path | None = None
+    # Folders whose files `input_file` and local `tokenizer_path`s may name (symlinks resolved); empty =
+    # the directory the server started in.
+    input_root: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    # URL prefixes the server may call (engine URLs, /init server_url and its callback); empty = any.
+    allow_url: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # A tokenizer name that is not a local folder is looked up in the Hugging Face cache only, unless this
+    # is set (then missing files are downloaded from the hub).
+    allow_hub_downloads: bool = False
+    # Largest task count (input lines x num_epoch x num_repeat_per_sample) one run may enqueue.
+    max_tasks_per_run: int = Field(default=DEFAULT_MAX_TASKS_PER_RUN, ge=1)
 
-    @field_validator("task_dir", mode="before")
+    @field_validator("task_dir", "input_root", mode="before")
     @classmethod
     def _split_paths(cls, value: object) -> object:
         if isinstance(value, str):
@@ -85,6 +100,38 @@ class Settings(BaseSettings):
             raise ValueError(f"a Redis Cluster has only database 0; --redis-url {self.redis_url!r} names "
                              f"database {parts.path.strip('/')!r}")
         return self
+
+    @field_validator("allow_url", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        # URLs contain ':', so the environment form separates them with commas or whitespace
+        if isinstance(value, str):
+            return [u for u in value.replace(",", " ").split() if u]
+        return value
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> "Settings":
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError("give auth_token or auth_token_file, not both")
+        if self.auth_token is not None and not self.auth_token.get_secret_value().strip():
+            raise ValueError("auth_token is empty")
+        return self
+
+    def resolved_auth_token(self) -> str | None:
+        """The bearer token every route but /health requires, or None (no authentication). Reads
+        `auth_token_file` (its first line, stripped) each call; raises ValueError for an empty file."""
+        if self.auth_token is not None:
+            return self.auth_token.get_secret_value().strip()
+        if self.auth_token_file is None:
+            return None
+        try:
+            text = self.auth_token_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"auth_token_file {str(self.auth_token_file)!r}: {exc.strerror}") from exc
+        token = (text.splitlines() or [""])[0].strip()
+        if not token:
+            raise ValueError(f"auth_token_file {str(self.auth_token_file)!r} is empty")
+        return token
 
     @property
     def max_body_bytes(self) -> int:

@@ -25,6 +25,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from rollout_buffer.auth import token_from_environment
+
 DEFAULT_URL = os.environ.get("ROLLOUT_BUFFER_URL", "http://127.0.0.1:8889")
 SPARKS = "▁▂▃▄▅▆▇█"
 STATUS_STYLES = {"running": "green", "finished": "blue", "failed": "red", "superseded": "red"}
@@ -38,7 +40,12 @@ def fetch(url: str, run_id: str | None, timeout_s: float = 10.0) -> dict[str, An
     """`GET /api/dashboard` of the buffer at `url`."""
     params = {"run_id": run_id} if run_id else {}
     try:
-        answer = httpx.get(f"{url.rstrip('/')}/api/dashboard", params=params, timeout=timeout_s)
+        token = token_from_environment()
+    except ValueError as exc:
+        raise StatusError(str(exc)) from exc
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = httpx.get(f"{url.rstrip('/')}/api/dashboard", params=params, headers=headers, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise StatusError(f"cannot reach the buffer at {url}: {exc}") from exc
     if answer.status_code != 200:

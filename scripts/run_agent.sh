@@ -13,6 +13,12 @@
 # The buffer is stopped when training ends, fails or is interrupted; the exit status is training's
 # (130 / 143 after SIGINT / SIGTERM, 1 when the buffer does not come up).
 #
+# The buffer's token (README "Running on a network") reaches both sides through the environment:
+#   ROLLOUT_BUFFER_AUTH_TOKEN       the token itself, or
+#   ROLLOUT_BUFFER_AUTH_TOKEN_FILE  a file whose first line is the token.
+# When BUFFER_HOST is not a loopback address and neither is set, a random token is generated into
+# $ROLLOUT_BUFFER_DATA_DIR/auth_token (mode 600) and used: the buffer never listens on a network unguarded.
+#
 # More variables (all optional):
 #   LOSS_MASK_TYPE      chat template type for records without tokens  (default qwen)
 #   HEALTH_TIMEOUT_S    whole seconds to wait for the buffer's /health  (default 60)
@@ -39,6 +45,23 @@ STOP_TIMEOUT_S="${STOP_TIMEOUT_S:-30}"
 mkdir -p "$ROLLOUT_BUFFER_DATA_DIR"
 ROLLOUT_BUFFER_LOG="${ROLLOUT_BUFFER_LOG:-$ROLLOUT_BUFFER_DATA_DIR/buffer.log}"
 export ROLLOUT_BUFFER_URL
+
+case "$BUFFER_HOST" in
+    127.*|localhost|::1|\[::1\]) loopback=1 ;;
+    *) loopback=0 ;;
+esac
+if ((!loopback)) && [[ -z "${ROLLOUT_BUFFER_AUTH_TOKEN:-}" && -z "${ROLLOUT_BUFFER_AUTH_TOKEN_FILE:-}" ]]; then
+    token_file="$ROLLOUT_BUFFER_DATA_DIR/auth_token"
+    if [[ ! -s "$token_file" ]]; then
+        (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$token_file")
+    fi
+    export ROLLOUT_BUFFER_AUTH_TOKEN_FILE="$token_file"
+    echo "run_agent: the buffer listens on $BUFFER_HOST; its token is in $token_file (send it as" \
+         "'Authorization: Bearer <token>'; remote clients need it)" >&2
+fi
+# the buffer and the trainer's adapter both read these from the environment
+if [[ -n "${ROLLOUT_BUFFER_AUTH_TOKEN:-}" ]]; then export ROLLOUT_BUFFER_AUTH_TOKEN; fi
+if [[ -n "${ROLLOUT_BUFFER_AUTH_TOKEN_FILE:-}" ]]; then export ROLLOUT_BUFFER_AUTH_TOKEN_FILE; fi
 
 healthy() {
     "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=2)' \

@@ -18,10 +18,12 @@ import aiohttp
 import httpx
 import tenacity
 
+from slime_adapter.auth import BufferAuthError, auth_headers
 from slime_adapter.settings import AgentRolloutSettings
 
 __all__ = [
     "REQUIRED_RECORD_KEYS",
+    "BufferAuthError",
     "BufferUnavailableError",
     "RunSuperseded",
     "StartRolloutRejected",
@@ -134,9 +136,12 @@ def _server_message(response: httpx.Response) -> str:
 
 def _post_start(client: httpx.Client, url: str, payload: dict[str, Any]) -> dict[str, Any]:
     try:
-        response = client.post(url, json=payload)
+        response = client.post(url, json=payload, headers=auth_headers(url))
     except httpx.TransportError as exc:
         raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+    if response.status_code == 401:
+        raise BufferAuthError(f"{url} refused the request (HTTP 401): {_server_message(response)}; "
+                              "set the buffer's token (ROLLOUT_BUFFER_AUTH_TOKEN or args.agent_rollout_buffer_token)")
     if response.status_code >= 500:
         raise _Transient(f"HTTP {response.status_code}: {_server_message(response)}")
     if response.status_code >= 400:
@@ -258,11 +263,15 @@ async def get_rollout_data(api_base_url: str, num: int | None = None, timeout: f
 
 
 async def _post(url: str, payload: dict[str, Any], timeout: float) -> str:
-    """POST JSON, return the body text; HTTP errors raise (409 of a superseded run as `RunSuperseded`)."""
+    """POST JSON, return the body text; HTTP errors raise (409 of a superseded run as `RunSuperseded`, 401
+    as `BufferAuthError`, which no retry loop catches)."""
     try:
         async with (asyncio.timeout(timeout), aiohttp.ClientSession() as session,
-                    session.post(url, json=payload) as response):
+                    session.post(url, json=payload, headers=auth_headers(url)) as response):
             text = await response.text()
+            if response.status == 401:
+                raise BufferAuthError(f"{url} refused the request (HTTP 401): {_message_of(text)}; set the "
+                                      "buffer's token (ROLLOUT_BUFFER_AUTH_TOKEN or args.agent_rollout_buffer_token)")
             if response.status == 409:
                 successor = _superseded_by(text)
                 if successor:

@@ -24,6 +24,8 @@ from typing import Any
 
 import aiohttp
 
+from slime_adapter.auth import auth_headers
+
 __all__ = ["RunFailedError", "RunHealth", "describe_run", "exhausted_reason", "get_run_detail"]
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ async def get_run_detail(buffer_url: str, run_id: str, timeout_s: float = DETAIL
     url = f"{buffer_url.rstrip('/')}/runs/{run_id}"
     try:
         async with (asyncio.timeout(timeout_s), aiohttp.ClientSession() as session,
-                    session.get(url) as response):
+                    session.get(url, headers=auth_headers(url)) as response):
             if response.status == 404:
                 return {"missing": True}
             if response.status != 200:

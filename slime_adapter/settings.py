@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_adapter.auth import remember_token, token_from
 from slime_adapter.loss_mask import VERIFY_MODES as LOSS_MASK_VERIFY_MODES
 
 __all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "FORK_POLICIES", "LOSS_MASK_VERIFY_MODES", "AgentRolloutSettings"]
@@ -69,6 +70,9 @@ class AgentRolloutSettings:
     - `buffer_url` (`rollout_buffer_url`, slime's `--rollout-buffer-url`; else `agent_rollout_buffer_url`,
       a name slime's parser does not know, read as a fallback for namespaces built by hand; else env
       `ROLLOUT_BUFFER_URL`): "http://127.0.0.1:8889", the buffer's default address. A trailing "/" is removed.
+    - `buffer_token` (`agent_rollout_buffer_token`; else env `ROLLOUT_BUFFER_AUTH_TOKEN`; else the file
+      named by `ROLLOUT_BUFFER_AUTH_TOKEN_FILE`): None. The buffer's bearer token (`slime_adapter.auth`),
+      sent with every request to `buffer_url`; never shown in the settings' repr.
     - `loss_mask_type` (`loss_mask_type`): "qwen". Only used for records without `turns`, which are
       re-rendered with the chat template: slime's choices "qwen" (Qwen2.5 ChatML), "qwen3", "qwen3_5"
       (generation prompt ending with `<think>\n`, never trained) and "distill_qwen", or a type added with
@@ -189,6 +193,7 @@ class AgentRolloutSettings:
     max_staleness: int | None = None
     stale_policy: str | None = None
     group_filter: str | None = None
+    buffer_token: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -244,8 +249,10 @@ class AgentRolloutSettings:
             max_staleness=None if max_staleness is None else int(max_staleness),
             stale_policy=_get(args, "agent_stale_policy", None),
             group_filter=_get(args, "agent_group_filter", None),
+            buffer_token=token_from(args),
         )
         settings.check()
+        remember_token(settings.buffer_url, settings.buffer_token)
         return settings
 
     def check(self) -> None:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +18,14 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+def input_roots_for_tests() -> str:
+    """`ROLLOUT_BUFFER_INPUT_ROOT` for test servers: the repository, the temp dir (pytest's tmp paths) and
+    the test tokenizers' cache, where the tests' input files and tokenizer paths live."""
+    from rollout_buffer.testing.tokenizer import tokenizer_cache_root
+
+    return os.pathsep.join([str(REPO), tempfile.gettempdir(), str(tokenizer_cache_root())])
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -24,7 +33,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m rollout_buffer.cli serve` in a child process, with its own data dir and port."""
+    """`python -m rollout_buffer.cli serve` in a child process, with its own data dir and port. Its input
+    roots are `input_roots_for_tests()` unless `env` (or the environment) sets `ROLLOUT_BUFFER_INPUT_ROOT`."""
 
     def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, command: str = "serve",
                  cwd: Path = REPO) -> None:
@@ -34,7 +44,8 @@ class ServerProcess:
         self.args = list(args)
         # In-process rollout loops unless a test asks for worker processes (flag or env): dozens of servers
         # start in the suite, and worker processes cost each one a few seconds of imports per core.
-        self.env = {"ROLLOUT_BUFFER_WORKER_PROCESSES": "0", **os.environ, **(env or {})}
+        self.env = {"ROLLOUT_BUFFER_WORKER_PROCESSES": "0", "ROLLOUT_BUFFER_INPUT_ROOT": input_roots_for_tests(),
+                    **os.environ, **(env or {})}
         self.command = command
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = (self.cwd / self.data_dir).parent / f"server-{self.port}.log"

@@ -6,8 +6,8 @@ refusals and `step_loss_mask` in `test_message_path.py`."""
 from __future__ import annotations
 
 import copy
-from collections import Counter
 import json
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 

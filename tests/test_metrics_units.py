@@ -16,7 +16,7 @@ from rollout_buffer.handover import ReadBatch, ReadGroup
 from rollout_buffer.metrics import histograms, timeline
 from rollout_buffer.metrics.histograms import ENGINE_CALL, HistogramData, HistogramSpec
 from rollout_buffer.metrics.prometheus import render
-from rollout_buffer.metrics.readlog import record_read, recent_reads, reward_summary, summarize
+from rollout_buffer.metrics.readlog import recent_reads, record_read, reward_summary, summarize
 from rollout_buffer.metrics.snapshot import snapshot_runs
 from rollout_buffer.metrics.timeline import TimelineSampler
 from rollout_buffer.retention import delete_run

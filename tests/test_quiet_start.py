@@ -136,7 +136,8 @@ def test_serve_worker_and_test_engine_start_and_run_without_warnings(tmp_path: P
     with ExitStack() as stack:
         engine = stack.enter_context(running(tmp_path / "engine.log", "test-engine", "--port", str(engine_port)))
         server = stack.enter_context(running(tmp_path / "serve.log", "serve", "--port", str(port),
-                                             "--data-dir", str(data_dir)))
+                                             "--data-dir", str(data_dir), "--input-root", str(tmp_path),
+                                             "--input-root", str(qwen_tokenizer_dir("qwen2.5"))))
         engine.wait_for("listening on")
         server.wait_for("Application startup complete")
         worker = stack.enter_context(running(tmp_path / "worker.log", "worker", "--data-dir", str(data_dir)))

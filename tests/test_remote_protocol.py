@@ -14,10 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_buffer.testing.recording_trainer import (
-    RecordingTrainer,
-    run_recording_trainer_in_thread,
-)
+from rollout_buffer.testing.recording_trainer import RecordingTrainer, run_recording_trainer_in_thread
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from tests.backends import CLUSTER_BACKENDS, backend, shared_redis_args
 from tests.helpers import ServerProcess

@@ -12,11 +12,7 @@ import pytest
 
 from rollout_buffer import keys
 from rollout_buffer.generator.boxed import answers_match, boxed_reward, extract_boxed
-from rollout_buffer.generator.calculator_generator import (
-    TOOLS,
-    calculate,
-    run_tool_call,
-)
+from rollout_buffer.generator.calculator_generator import TOOLS, calculate, run_tool_call
 from rollout_buffer.runs import StartRolloutError
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy, new_session

@@ -7,12 +7,7 @@ from typing import Any
 import pytest
 
 from slime_adapter.build import build_samples
-from slime_adapter.sample import (
-    Sample,
-    make_sample,
-    sample_field_names,
-    status_from_record,
-)
+from slime_adapter.sample import Sample, make_sample, sample_field_names, status_from_record
 from slime_adapter.token_path import build_token_pieces
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}

@@ -23,13 +23,7 @@ import pytest
 from slime_adapter.agent_rollout import generate_rollout, get_state, reset_state
 from slime_adapter.build import build_samples
 from tests.helpers import ServerProcess
-from tests.runtime_helpers import (
-    arithmetic_rows,
-    run_detail,
-    start_native,
-    wait_status,
-    write_rows,
-)
+from tests.runtime_helpers import arithmetic_rows, run_detail, start_native, wait_status, write_rows
 from tests.slime_namespace import install_slime_base_types, slime_namespace
 
 GROUP = 2

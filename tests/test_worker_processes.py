@@ -35,7 +35,6 @@ from tests.runtime_helpers import (
     write_rows,
 )
 
-
 WORKER_READY = re.compile(r"worker_main: worker \S+ ready on ")  # (the API's own line says "rollout-buffer ready on")
 
 

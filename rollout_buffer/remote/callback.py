@@ -18,13 +18,9 @@ from typing import Any
 
 import aiohttp
 import orjson
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception_type,
-    stop_after_delay,
-    wait_exponential_jitter,
-)
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
+from rollout_buffer.access import AccessPolicy
 from rollout_buffer.remote.settings import RemoteSettings
 from rollout_buffer.remote.state import RemoteStates
 
@@ -46,10 +42,16 @@ class CallbackSender:
     states: RemoteStates
     settings: RemoteSettings
     owner: str
+    access: AccessPolicy | None = None  # `--allow-url`: a callback URL outside it is never called
+
 
     async def deliver(self, rollout_id: str, server_url: str, body: dict[str, Any]) -> bool:
         """Deliver once; True when some attempt got a 2xx (now or before)."""
         url = f"{server_url.rstrip('/')}{CALLBACK_PATH}"
+        if self.access is not None and not self.access.url_ok(url):
+            await self._record_failure(rollout_id, f"callback URL {url!r} is not under a URL this server may call "
+                                                   "(--allow-url)")
+            return False
         payload = orjson.dumps(body)
         retrying = AsyncRetrying(
             stop=stop_after_delay(self.settings.callback_deadline_s),

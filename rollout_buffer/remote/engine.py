@@ -21,12 +21,7 @@ from rollout_buffer.remote.drift import Drift, DriftTally
 from rollout_buffer.remote.mask import MaskCountError, ResponseMaskCounter
 from rollout_buffer.remote.metrics import RemoteMetrics
 from rollout_buffer.runtime.chat_client import parse_chat_answer
-from rollout_buffer.runtime.engine_http import (
-    RetryPolicy,
-    TransientEngineError,
-    call_with_retries,
-    post_once,
-)
+from rollout_buffer.runtime.engine_http import RetryPolicy, TransientEngineError, call_with_retries, post_once
 from rollout_buffer.runtime.history import HistoryGuard, snapshot
 from rollout_buffer.task_contract import ChatResult, HistoryRewriteError
 

@@ -26,6 +26,10 @@ async def init(body: InitRequest, request: Request) -> Any:
     problem = service.task_problem(body.task_type)
     if problem is not None:
         return error_response(422, problem, [{"field": "task_type", "message": problem}])
+    denied = service.refusal(body)
+    if denied is not None:
+        message = f"{denied.field}: {denied}"
+        return error_response(denied.status_code, message, [{"field": denied.field, "message": message}])
     created, state = await service.init(body)
     message = "rollout accepted" if created else "rollout_id already known; nothing started"
     return OrjsonResponse({"success": True, "message": message, "created": created, **state},

@@ -15,7 +15,7 @@ RESERVED_IDS = frozenset({"index"})
 class InitRequest(BaseModel):
     """`POST /init`: drive one rollout against the trainer's own chat endpoint."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     rollout_id: str = Field(min_length=1, max_length=512)
     server_url: str = Field(min_length=1)
@@ -26,7 +26,7 @@ class InitRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
     # Optional per-rollout time limit; the server's --rollout-timeout-s when absent.
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
 
     @field_validator("rollout_id")
     @classmethod

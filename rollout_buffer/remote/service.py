@@ -28,6 +28,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
+from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.remote.callback import CallbackSender
 from rollout_buffer.remote.engine import CallReport, RemoteEngineClient
 from rollout_buffer.remote.metrics import RemoteMetrics
@@ -58,6 +59,7 @@ class RemoteService:
         self.settings = settings
         self.config = remote_settings or RemoteSettings()
         self.metrics = RemoteMetrics(metrics)
+        self.access = AccessPolicy.from_settings(settings)  # server_url (and its callback), tokenizer_name
         self.states = RemoteStates(store.redis)
         self.owner = uuid.uuid4().hex
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
@@ -72,7 +74,7 @@ class RemoteService:
     async def start(self) -> None:
         """Take the lease, then take over whatever a dead process left unfinished."""
         self._session = new_session()
-        self._sender = CallbackSender(self._session, self.states, self.config, self.owner)
+        self._sender = CallbackSender(self._session, self.states, self.config, self.owner, access=self.access)
         await self._heartbeat_once()
         try:
             await self.scan_once()
@@ -139,6 +141,18 @@ class RemoteService:
             return f"task_type {task_type!r} is a legacy run_rollout(data) module; /init needs rollout(sample, ctx)"
         return None
 
+    def refusal(self, request: InitRequest) -> AccessDenied | None:
+        """Why the server will not run this rollout: a `server_url` outside `--allow-url`, or a tokenizer it
+        may not load (a folder outside the input roots, a hub name not cached here); None when it may."""
+        try:
+            self.access.url("server_url", request.server_url)
+            self.access.tokenizer(request.tokenizer_name)
+        except AccessDenied as exc:
+            if exc.field == "tokenizer_path":
+                exc.field = "tokenizer_name"
+            return exc
+        return None
+
     async def init(self, request: InitRequest) -> tuple[bool, dict[str, Any]]:
         """Claim and start the rollout, or find it already known: (created, state view)."""
         created = await self.states.claim(request, self.owner)
@@ -188,7 +202,8 @@ class RemoteService:
         if problem is not None:
             return self._error(request, problem, conversation)
         try:
-            tokenizer = await get_tokenizer(request.tokenizer_name)
+            source = self.access.tokenizer(request.tokenizer_name)
+            tokenizer = await get_tokenizer(source.name, allow_download=source.allow_download)
         except Exception as exc:  # noqa: BLE001 - whatever the loader raises, the trainer gets the reason
             return self._error(request, f"cannot load tokenizer_name {request.tokenizer_name!r}: "
                                         f"{type(exc).__name__}: {exc}", conversation)

@@ -11,6 +11,7 @@ from rollout_buffer.app_state import state_of
 from rollout_buffer.failures import failure_summary
 from rollout_buffer.http_errors import error_response
 from rollout_buffer.runs import StartRolloutError, start_run
+from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.schema import StartRolloutRequest
 
 router = APIRouter()
@@ -23,7 +24,7 @@ async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
     if not body.remote_buffer_url:  # legacy task modules write back to us; tell them where
         body.remote_buffer_url = str(request.base_url).rstrip("/")
     try:
-        spec = await start_run(state.store, state.registry, body, state.runtime)
+        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access)
         await state.runtime.launch(spec)
     except StartRolloutError as exc:
         return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
@@ -54,6 +55,8 @@ async def run_detail(run_id: str, request: Request) -> Any:
         "meta": meta,
         "config": await state.store.run_config(run_id),
         "tasks": {name: int(stats.get(f"tasks_{name}", 0)) for name in ("queued", "running", "done", "failed")},
+        # enqueueing runs in the background after the start answered: tasks in the stream / planned
+        "enqueue": await TaskQueue(state.store.redis, run_id).progress(),
         "groups": {
             "pending": counts["pending"],
             "ready": counts["ready"],

@@ -18,12 +18,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_attempt,
-)
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
 from rollout_buffer.task_contract import EngineError
 

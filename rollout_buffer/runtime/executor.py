@@ -24,9 +24,9 @@ from typing import Any
 
 import aiohttp
 
-from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.input_keys import InputKeys, normalise, prompt_messages
 from rollout_buffer.metrics.histograms import ROLLOUT_DURATION
+from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy
 from rollout_buffer.runtime.engines import EngineRing
 from rollout_buffer.runtime.failure_log import FailureLog

@@ -2,6 +2,8 @@
 
 It runs in a dedicated thread (never the event loop, never the shared executor, which tokenizer loads and
 file reads need), so a module written for slime's buffer works unchanged and cannot block the server.
+The runner keeps only live threads: a run's entry is dropped when its `run_rollout` returns, so a server
+that runs thousands of legacy runs over its life holds nothing for the finished ones.
 """
 
 from __future__ import annotations
@@ -26,12 +28,18 @@ class LegacyRunner:
         self._threads: dict[str, threading.Thread] = {}
         self._watchers: set[asyncio.Task[None]] = set()
 
+    @property
+    def live_runs(self) -> list[str]:
+        """Runs whose `run_rollout` thread is tracked (running, or just returned)."""
+        return sorted(self._threads)
+
     def running(self, run_id: str) -> bool:
         thread = self._threads.get(run_id)
         return thread is not None and thread.is_alive()
 
-    def launch(self, spec: RunSpec) -> bool:
-        """Start the module's `run_rollout` for this run unless it is already running; True if started."""
+    def launch(self, spec: RunSpec, write_url: str | None = None) -> bool:
+        """Start the module's `run_rollout` for this run unless it is already running; True if started.
+        `write_url` is the `remote_buffer_url` the module gets (default: the run's own URL, no write key)."""
         if self.running(spec.run_id):
             return False
         payload: dict[str, Any] = spec.request.model_dump()
@@ -41,7 +49,7 @@ class LegacyRunner:
         # writes through a URL that names this run: once the run is superseded or deleted, a thread still
         # running (threads cannot be stopped) has its late writes refused and counted, not mixed into the
         # active run
-        payload["remote_buffer_url"] = f"{spec.request.remote_buffer_url.rstrip('/')}/runs/{spec.run_id}"
+        payload["remote_buffer_url"] = write_url or f"{spec.request.remote_buffer_url.rstrip('/')}/runs/{spec.run_id}"
         loop = asyncio.get_running_loop()
         done: asyncio.Future[BaseException | None] = loop.create_future()
         function = spec.task.module.run_rollout
@@ -62,13 +70,16 @@ class LegacyRunner:
         thread = threading.Thread(target=body, name=f"legacy-rollout-{spec.run_id}", daemon=True)
         self._threads[spec.run_id] = thread
         thread.start()
-        watcher = loop.create_task(self._finish(spec.run_id, done))
+        watcher = loop.create_task(self._finish(spec.run_id, thread, done))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return True
 
-    async def _finish(self, run_id: str, done: asyncio.Future[BaseException | None]) -> None:
+    async def _finish(self, run_id: str, thread: threading.Thread,
+                      done: asyncio.Future[BaseException | None]) -> None:
         error = await done
+        if self._threads.get(run_id) is thread:  # not a newer thread of a relaunch
+            del self._threads[run_id]
         if error is None:
             log.info("legacy rollout of run %s returned", run_id)
             await self.store.set_run_status(run_id, "finished")

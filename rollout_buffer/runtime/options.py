@@ -17,10 +17,15 @@ Besides slime's fields, a run may set (all optional, values may be strings as sl
 * `max_task_attempts`: deliveries of one task before it is written as failed (default 3); guards against a
   task that kills every worker that runs it.
 * `model`: the `model` field sent to `/v1/chat/completions` (default "default").
+
+Every number is checked at `/start_rollout`: finite (`"inf"` and `"nan"` are refused) and in range
+(timeouts up to a week, `engine_retries` and `max_task_attempts` up to 100, `max_abort_continuations` up
+to 1000; sampling parameters in SGLang's ranges), else 422 naming the field.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,24 +34,52 @@ from rollout_buffer.runtime.engines import parse_engine_urls
 from rollout_buffer.schema import StartRolloutRequest
 
 ENGINE_APIS = ("generate", "chat")
+WEEK_S = 7 * 24 * 3600.0
 DEFAULT_MAX_NEW_TOKENS = 1024
 _INT_PARAMS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "seed"}
 _FLOAT_PARAMS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
 _BOOL_PARAMS = {"skip_special_tokens", "no_stop_trim", "ignore_eos", "spaces_between_special_tokens"}
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """slime sends numbers as text; SGLang wants numbers."""
+_INT_LIMIT = 2**53  # beyond this a float-typed value cannot be an exact integer
+# Ranges of the sampling parameters SGLang reads as numbers: (least, greatest); None = unbounded.
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "max_new_tokens": (1, 10_000_000), "min_new_tokens": (0, 10_000_000), "n": (1, 4096),
+    "temperature": (0.0, None), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+    "frequency_penalty": (-2.0, 2.0), "presence_penalty": (-2.0, 2.0), "repetition_penalty": (0.0, None),
+}
+
+
+def _finite(field_name: str, value: Any) -> float:
+    """`value` as a finite float (text as slime sends it, or a number); StartRolloutError otherwise."""
+    if isinstance(value, bool):
+        raise StartRolloutError(field_name, f"not a number: {value!r}", status_code=422)
     try:
-        if name in _INT_PARAMS and isinstance(value, (str, float)):
-            return int(float(value))
-        if name in _FLOAT_PARAMS and isinstance(value, str):
-            return float(value)
-        if name in _BOOL_PARAMS and isinstance(value, str):
-            return value.strip().lower() in ("1", "true", "yes")
-    except ValueError as exc:
-        raise StartRolloutError(f"sampling_params.{name}", f"not a number: {value!r}") from exc
-    return value
+        number = float(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise StartRolloutError(field_name, f"not a number: {value!r}", status_code=422) from exc
+    if not math.isfinite(number):
+        raise StartRolloutError(field_name, f"must be a finite number (got {value!r})", status_code=422)
+    return number
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """slime sends numbers as text; SGLang wants numbers, finite and in range."""
+    if name in _BOOL_PARAMS and isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes")
+    if name not in _INT_PARAMS and name not in _FLOAT_PARAMS:
+        return value
+    field_name = f"sampling_params.{name}"
+    number = _finite(field_name, value)
+    low, high = _RANGES.get(name, (None, None))
+    if (low is not None and number < low) or (high is not None and number > high):
+        bounds = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
+        raise StartRolloutError(field_name, f"must be in {bounds} (got {value!r})", status_code=422)
+    if name in _INT_PARAMS:
+        if abs(number) > _INT_LIMIT:
+            raise StartRolloutError(field_name, f"out of range (got {value!r})", status_code=422)
+        return int(number)
+    return number
 
 
 def sglang_sampling_params(request: StartRolloutRequest) -> dict[str, Any]:
@@ -58,16 +91,16 @@ def sglang_sampling_params(request: StartRolloutRequest) -> dict[str, Any]:
     return {name: _coerce(name, value) for name, value in params.items()}
 
 
-def _number(extra: dict[str, Any], name: str, default: float, *, minimum: float, integer: bool = False) -> Any:
+def _number(extra: dict[str, Any], name: str, default: float, *, minimum: float, maximum: float,
+            integer: bool = False) -> Any:
+    """An optional run option: finite, within [minimum, maximum] (422 naming the field otherwise)."""
     value = extra.get(name)
     if value is None or value == "":
         return default
-    try:
-        number = float(value)
-    except (TypeError, ValueError) as exc:
-        raise StartRolloutError(name, f"not a number: {value!r}") from exc
-    if number < minimum:
-        raise StartRolloutError(name, f"must be >= {minimum} (got {value!r})")
+    number = _finite(name, value)
+    if not minimum <= number <= maximum:
+        raise StartRolloutError(name, f"must be between {minimum:g} and {maximum:g} (got {value!r})",
+                                status_code=422)
     return int(number) if integer else number
 
 
@@ -106,12 +139,13 @@ class RunOptions:
             tokenizer_path=request.tokenizer_path or None,
             sampling_params=sglang_sampling_params(request),
             num_process=request.num_process,
-            engine_timeout_s=_number(extra, "engine_timeout_s", 600.0, minimum=0.001),
-            engine_retries=_number(extra, "engine_retries", 4, minimum=0, integer=True),
-            engine_backoff_s=_number(extra, "engine_backoff_s", 0.5, minimum=0.0),
-            max_abort_continuations=_number(extra, "max_abort_continuations", 8, minimum=0, integer=True),
-            rollout_timeout_s=_number(extra, "rollout_timeout_s", rollout_timeout_s, minimum=0.001),
-            max_task_attempts=_number(extra, "max_task_attempts", 3, minimum=1, integer=True),
+            engine_timeout_s=_number(extra, "engine_timeout_s", 600.0, minimum=0.001, maximum=WEEK_S),
+            engine_retries=_number(extra, "engine_retries", 4, minimum=0, maximum=100, integer=True),
+            engine_backoff_s=_number(extra, "engine_backoff_s", 0.5, minimum=0.0, maximum=3600.0),
+            max_abort_continuations=_number(extra, "max_abort_continuations", 8, minimum=0, maximum=1000,
+                                            integer=True),
+            rollout_timeout_s=_number(extra, "rollout_timeout_s", rollout_timeout_s, minimum=0.001, maximum=WEEK_S),
+            max_task_attempts=_number(extra, "max_task_attempts", 3, minimum=1, maximum=100, integer=True),
             model=str(extra.get("model") or "default"),
             extra=extra,
         )

@@ -25,6 +25,7 @@ start, so a started group always completes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -146,6 +147,13 @@ redis.call('XACK', KEYS[4], ARGV[5], ARGV[4])
 return old
 """
 
+# KEYS: 1 meta. ARGV: 1 total. The run's planned task count, set before enqueueing starts (progress).
+_PLANNED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'tasks_total', ARGV[1])
+return 1
+"""
+
 # KEYS: 1 meta 2 stats. ARGV: 1 total 2 now. Records that enqueueing is complete; finishes an empty run.
 _ENQUEUE_DONE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -166,6 +174,10 @@ redis.call('HSETNX', KEYS[1], 'extra_groups_cap', ARGV[2])
 redis.call('HSET', KEYS[1], 'num_lines', ARGV[1])
 return 1
 """
+
+
+class EnqueueStopped(Exception):
+    """`TaskQueue.enqueue` was asked to stop (the process is shutting down); nothing is lost."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +245,17 @@ def iter_task_plan(instance_ids: list[str], num_epoch: int, repeats: int) -> Ite
                 yield seq, epoch, instance_id, repeat
 
 
+def planned_tasks(instance_ids: list[str], num_epoch: int, repeats: int, excluded: set[str]) -> int:
+    """How many tasks `iter_task_plan` yields outside the `excluded` groups, without walking the plan."""
+    ids = set(instance_ids)
+    skipped = 0
+    for group_id in excluded:
+        epoch, _, instance_id = group_id.partition(":")
+        if epoch.isdecimal() and int(epoch) < num_epoch and instance_id in ids:
+            skipped += 1
+    return (len(ids) * num_epoch - skipped) * repeats
+
+
 class TaskQueue:
     """One run's stream and consumer group."""
 
@@ -245,6 +268,7 @@ class TaskQueue:
         self._finish = client.register_script(_FINISH)
         self._enqueue_done = client.register_script(_ENQUEUE_DONE)
         self._keep_order = client.register_script(_KEEP_ORDER)
+        self._planned = client.register_script(_PLANNED)
         self._scripts: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts)
 
     async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
@@ -260,13 +284,31 @@ class TaskQueue:
     async def enqueue_done(self) -> bool:
         return await self.redis.hget(keys.run_meta(self.run_id), "enqueue_done") in (b"1", "1")
 
+    async def progress(self) -> dict[str, Any]:
+        """`enqueued` (tasks in the stream), `tasks_total` (planned; None until enqueueing began), `done`."""
+        meta = keys.run_meta(self.run_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(self.stream)
+            pipe.hmget(meta, ["tasks_total", "enqueue_done"])
+            length, (total, done) = await pipe.execute()
+        return {"enqueued": int(length), "tasks_total": None if total is None else int(total),
+                "done": done in (b"1", "1")}
+
     async def enqueue(self, samples: list[dict[str, Any]], *, num_epoch: int, repeats: int,
-                      excluded: set[str], chunk: int = 2000, keep_order: bool = False) -> int:
+                      excluded: set[str], chunk: int = 2000, keep_order: bool = False,
+                      stop: asyncio.Event | None = None) -> int:
         """Store the samples and add every task not yet in the stream, except those of the `excluded`
-        groups (`"epoch:instance_id"`, trained already); returns how many were added. `keep_order` also
-        stores the lines' order, so the prompt stream can go on past the plan (a run with a group filter)."""
+        groups (`"epoch:instance_id"`, trained already); returns how many were added. The planned total is
+        in the run's meta (`tasks_total`) from the start, the stream's length is the progress. `keep_order`
+        also stores the lines' order, so the prompt stream can go on past the plan (a run with a group
+        filter). `stop`, checked between chunks, ends early with `EnqueueStopped` (a later call carries on)."""
         await self.ensure_group()
+        ids = [s["instance_id"] for s in samples]
+        await self._planned(keys=[keys.run_meta(self.run_id)],
+                            args=[planned_tasks(ids, num_epoch, repeats, excluded)])
         for start in range(0, len(samples), chunk):
+            if stop is not None and stop.is_set():
+                raise EnqueueStopped(f"run {self.run_id}: enqueueing stopped while storing its lines")
             part = samples[start:start + chunk]
             await self.redis.hset(keys.samples(self.run_id),
                                   mapping={s["instance_id"]: _dumps(s) for s in part})
@@ -279,13 +321,14 @@ class TaskQueue:
         total = 0
         batch: list[str] = []
         enqueue_keys = [self.stream, keys.stats(self.run_id), keys.run_meta(self.run_id)]
-        ids = [s["instance_id"] for s in samples]
         for seq, epoch, instance_id, repeat in iter_task_plan(ids, num_epoch, repeats):
             if keys.gid(epoch, instance_id) in excluded:
                 continue
             total += 1
             batch.extend((str(seq), str(epoch), instance_id, str(repeat)))
             if len(batch) >= chunk * 4:
+                if stop is not None and stop.is_set():
+                    raise EnqueueStopped(f"run {self.run_id}: enqueueing stopped after {added} new task(s)")
                 added += int(await self._enqueue(keys=enqueue_keys, args=batch))
                 batch = []
         if batch:

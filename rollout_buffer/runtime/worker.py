@@ -89,7 +89,8 @@ async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, 
     if task.kind != "native":
         return None
     options = RunOptions.from_request(request, rollout_timeout_s=settings.rollout_timeout_s)
-    tokenizer = await get_tokenizer(options.tokenizer_path) if options.tokenizer_path else None
+    tokenizer = (await get_tokenizer(options.tokenizer_path, allow_download=settings.allow_hub_downloads)
+                 if options.tokenizer_path else None)
     return RunHandle(run_id=run_id, request=request, options=options, task=task, tokenizer=tokenizer,
                      queue=TaskQueue(store.redis, run_id))
 

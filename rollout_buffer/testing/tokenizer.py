@@ -151,6 +151,11 @@ def _version_tag(template: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def tokenizer_cache_root() -> Path:
+    """The folder the test tokenizers are built into (`ROLLOUT_BUFFER_TOKENIZER_CACHE`, else ~/.cache/...)."""
+    return _default_cache_root()
+
+
 def _default_cache_root() -> Path:
     env = os.environ.get("ROLLOUT_BUFFER_TOKENIZER_CACHE")
     if env:

@@ -274,6 +274,7 @@
     try {
       const answer = await fetch(`api/dashboard${query}`, { cache: "no-store" });
       if (answer.status === 404 && selected) { select(null); return; }
+      if (answer.status === 401) throw new Error("the buffer needs its token: open this page once as /?token=<token>");
       if (!answer.ok) throw new Error(`HTTP ${answer.status}`);
       const data = await answer.json();
       $("#version").textContent = `v${data.version}`;

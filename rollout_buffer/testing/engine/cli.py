@@ -13,7 +13,6 @@ from rollout_buffer.testing.engine.config import EngineConfig
 from rollout_buffer.testing.engine.server import TestEngine
 from rollout_buffer.testing.tokenizer import TEMPLATES
 
-
 # EngineConfig fields settable from the command line (all of them but the one-shot fault counts)
 _KNOBS = ("seed", "latency_s", "latency_jitter_s", "p_correct", "noise_tokens", "error_rate", "abort_rate",
           "hang_rate", "malformed_rate", "weight_version")
