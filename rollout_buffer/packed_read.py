@@ -21,7 +21,12 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.packing import PackingError, header_bytes, pack_record, unpack_record_arrays
+from rollout_buffer.packing import (
+    PackingError,
+    header_bytes,
+    pack_record,
+    unpack_record_arrays,
+)
 
 CONTENT_TYPE = "application/x-rollout-buffer-packed"
 JSON_TYPE = "application/json"

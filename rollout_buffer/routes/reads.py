@@ -17,7 +17,12 @@ from starlette.responses import Response
 from rollout_buffer import handover
 from rollout_buffer.app_state import AppState, state_of
 from rollout_buffer.http_errors import error_response
-from rollout_buffer.packed_read import CONTENT_TYPE, StoredArrays, encode_answer, wants_packed
+from rollout_buffer.packed_read import (
+    CONTENT_TYPE,
+    StoredArrays,
+    encode_answer,
+    wants_packed,
+)
 from rollout_buffer.reads import empty, read_answer
 from rollout_buffer.responses import OrjsonResponse
 from rollout_buffer.routes.writes import superseded_answer
