@@ -238,6 +238,8 @@ def test_errors_stay_json_and_other_accept_headers_get_json(client: httpx.Client
     successor = client.post("/start_rollout", json=body).json()["run_id"]
     stale = client.post("/get_rollout_data", json={"run_id": run_id}, headers=PACKED)
     assert stale.status_code == 409 and stale.json()["superseded_by"] == successor
+    documented = client.get("/openapi.json").json()["paths"]["/get_rollout_data"]["post"]["responses"]["200"]
+    assert set(documented["content"]) == {"application/json", packed_read.CONTENT_TYPE}
 
 
 def test_negotiation_rule() -> None:

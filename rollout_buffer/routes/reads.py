@@ -60,7 +60,10 @@ def _answer(request: Request, body: dict[str, Any], stored: dict[str, StoredArra
     return OrjsonResponse(body, headers=headers)
 
 
-@router.post("/get_rollout_data")
+@router.post("/get_rollout_data", responses={200: {
+    "description": "The read's groups: JSON, or the packed binary form (`rollout_buffer.packed_read`) to a client "
+                   f"whose Accept header prefers `{CONTENT_TYPE}`",
+    "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
 async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None = None) -> Any:
     """Hand over ready groups, whole and in completion order; `num` caps the sample count. With `lease_s`
     the batch is leased until acknowledged (`ack` in a later read, or `POST /ack`); the same `batch_id`
