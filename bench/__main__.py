@@ -18,7 +18,8 @@ from typing import Any
 import orjson
 
 # benchmark name -> module in this package with run(quick) -> dict
-BENCHMARKS = ("ingest", "read_latency", "storage", "rollout_concurrency", "sample_building", "end_to_end")
+BENCHMARKS = ("ingest", "read_latency", "read_throughput", "storage", "rollout_concurrency", "sample_building",
+              "end_to_end")
 
 
 @dataclass
@@ -51,6 +52,13 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
         return [Row("read 128 groups x 8", f"{r['many']['median_s'] * 1000:.1f} ms, {r['many']['pending_groups']} pending",
                     f"{r['few']['median_s'] * 1000:.1f} ms, {r['few']['pending_groups']} pending", r["ratio"],
                     "<= 1.3", r["ratio"] <= 1.3)]
+    if name == "read_throughput":
+        rate, size = r["records_per_s"], f"{r['records']} x {r['record_json_bytes'] / 1024:.0f} KB"
+        base = f"{rate['baseline']:.0f} rec/s json from memory"
+        return [Row(f"full read {size}, JSON", f"{rate['json']:.0f} rec/s", base, r["json_ratio"], ">= 1.5x",
+                    r["json_ratio"] >= 1.5),
+                Row(f"full read {size}, packed", f"{rate['packed']:.0f} rec/s", base, r["packed_ratio"], ">= 5x",
+                    r["packed_ratio"] >= 5)]
     if name == "storage":
         b = r["bytes_per_token"]
         return [Row("storage of turns", f"{b['packed_turns']:.2f} B/token", f"{b['json_turns']:.2f} B/token JSON",
