@@ -2,8 +2,9 @@
 the records in the client's hands, JSON and packed, against a minimal in-memory buffer in the same run.
 
 Ours: a `rollout-buffer serve` process (embedded Redis) holding the records as ready groups of 8; the
-client is the adapter's own read (`slime_adapter.buffer_client.fetch_rollout_data`, leased as the adapter
-reads), asking for JSON (parsed into lists) or for the packed form (decoded into numpy arrays).
+client is the adapter's own read (the steps of `slime_adapter.buffer_client.fetch_rollout_data`, leased as
+the adapter reads), asking for JSON (parsed into lists) or for the packed form (decoded into numpy
+arrays). The time to the whole body (server work and transfer) is reported apart from the client's.
 
 Baseline: a FastAPI app on the same uvicorn stack (uvloop, httptools) in its own process, holding the same
 records as a Python list of dicts in memory and answering `/get_rollout_data` with the standard `json`
@@ -115,15 +116,25 @@ def _fill(client: httpx.Client, input_file: Path, records: list[bytes], tag: str
     return run_id
 
 
-def _timed_read(url: str, read_format: str, run_id: str | None, count: int) -> tuple[float, list[dict[str, Any]]]:
-    from slime_adapter.buffer_client import fetch_rollout_data
+def _timed_read(url: str, read_format: str, run_id: str | None, count: int
+                ) -> tuple[float, float, list[dict[str, Any]]]:
+    """One leased read as the adapter makes it (`fetch_rollout_data`'s steps): (seconds to the whole body,
+    seconds in all, records). The first part is the server's work and the transfer, the rest the client's
+    decoding (JSON parse, or packed decode into arrays)."""
+    from rollout_buffer import packed_read
+    from slime_adapter.buffer_client import _decode_answer, _parse_answer, _post
 
+    payload: dict[str, Any] = {"wait_s": 0.0, "lease_s": 600.0}
+    if run_id is not None:
+        payload["run_id"] = run_id
     started = time.perf_counter()
-    records, _, message = asyncio.run(fetch_rollout_data(url, None, 600.0, run_id=run_id, lease_s=600.0,
-                                                         wait_s=0.0, read_format=read_format))
+    raw, content_type = asyncio.run(_post(f"{url}/get_rollout_data", payload, 600.0,
+                                          accept=packed_read.accept_header(read_format == "packed")))
+    received = time.perf_counter() - started
+    records, _, message = _parse_answer(_decode_answer(raw, content_type))
     elapsed = time.perf_counter() - started
     assert len(records) == count, f"{read_format} read got {len(records)} of {count} records: {message}"
-    return elapsed, records
+    return received, elapsed, records
 
 
 def _check(records: list[dict[str, Any]], seed: int) -> None:
@@ -147,6 +158,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     packed_bytes = sum(len(pack_record(r)) for r in made[:64]) / 64
     del made
     timings: dict[str, list[float]] = {"baseline": [], "json": [], "packed": []}
+    received: dict[str, list[float]] = {"baseline": [], "json": [], "packed": []}
     with tempfile.TemporaryDirectory(prefix="rb-bench-read-") as tmp:
         work = Path(tmp)
         input_file = write_jsonl(work / "in.jsonl", [{"instance_id": "x"}])
@@ -163,15 +175,16 @@ def run(quick: bool = False) -> dict[str, Any]:
                 for trial in range(trials + 1):  # trial 0 warms every path up and is not counted
                     for kind in kinds[trial % 3:] + kinds[:trial % 3]:
                         if kind == "baseline":
-                            elapsed, records = _timed_read(baseline_url, "json", None, count)
+                            body_s, elapsed, records = _timed_read(baseline_url, "json", None, count)
                         else:
                             run_id = _fill(client, input_file, packed, f"{kind}{trial}-{int(time.time() * 1000)}")
-                            elapsed, records = _timed_read(server.url, kind, run_id, count)
+                            body_s, elapsed, records = _timed_read(server.url, kind, run_id, count)
                             client.delete(f"/runs/{run_id}")
                         if trial == 0:
                             _check(records, seed)
                         else:
                             timings[kind].append(elapsed)
+                            received[kind].append(body_s)
                         del records
         finally:
             baseline.terminate()
@@ -180,6 +193,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     return {
         "records": count, "record_json_bytes": json_bytes, "record_packed_bytes": packed_bytes,
         "timings_s": timings, "median_s": medians,
+        "body_median_s": {kind: statistics.median(values) for kind, values in received.items()},
         "records_per_s": {kind: count / value for kind, value in medians.items()},
         "json_ratio": medians["baseline"] / medians["json"],
         "packed_ratio": medians["baseline"] / medians["packed"],
@@ -197,11 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         _serve_baseline(args.serve_baseline, args.count, args.seed)
         return 0
     r = run(args.quick)
-    m = r["median_s"]
+    m, b = r["median_s"], r["body_median_s"]
     print(f"full read of {r['records']} records ({r['record_json_bytes'] / 1024:.0f} KB JSON, "
           f"{r['record_packed_bytes'] / 1024:.0f} KB packed each): baseline {m['baseline']:.2f} s, "
           f"JSON {m['json']:.2f} s -> {r['json_ratio']:.2f}x (target >= 1.5), "
           f"packed {m['packed']:.2f} s -> {r['packed_ratio']:.2f}x (target >= 5)")
+    for kind in ("baseline", "json", "packed"):
+        print(f"  {kind:8}: server + transfer {b[kind]:.2f} s, client decoding {m[kind] - b[kind]:.2f} s (medians)")
     return 0
 
 

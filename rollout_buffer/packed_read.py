@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from operator import is_
 from typing import Any
 
 import orjson
@@ -31,8 +32,6 @@ from rollout_buffer.packing import (
 CONTENT_TYPE = "application/x-rollout-buffer-packed"
 JSON_TYPE = "application/json"
 _LEN = struct.Struct("<I")
-_ARRAY_FIELDS = ("prompt_ids", "output_ids", "output_logprobs")
-_OTHER_FIELDS = ("finish_reason", "weight_version", "version_spans")
 
 
 class PackedReadError(ValueError):
@@ -51,31 +50,25 @@ class StoredArrays:
     given: tuple[tuple[Any, ...], ...]
 
 
-def _turn_state(turn: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(turn.get(name) for name in _ARRAY_FIELDS + _OTHER_FIELDS)
-
-
 def stored_record(blob: bytes) -> tuple[dict[str, Any], StoredArrays]:
     """A stored blob as a record with array turns (`packing.unpack_record_arrays`), and what it takes to
-    re-stamp it (`record_bytes`)."""
+    re-stamp it (`record_parts`)."""
     record, meta, offset = unpack_record_arrays(blob)
     turns = record.get("turns")
-    given = tuple(_turn_state(turn) for turn in turns) if turns is not None else ()
+    given = tuple(tuple(turn.values()) for turn in turns) if turns is not None else ()
     return record, StoredArrays(blob, offset, meta, turns, given)
 
 
 def _turns_untouched(record: dict[str, Any], stored: StoredArrays) -> bool:
+    """Every turn still holds exactly the objects it was handed out with (compared by identity: a value set
+    again, even an equal one, counts as a change and only costs a fresh packing)."""
     turns = record.get("turns")
     if turns is None or stored.turns is None:
         return turns is None and stored.turns is None
     if not isinstance(turns, list) or len(turns) != len(stored.given):
         return False
     for turn, given in zip(turns, stored.given):
-        if not isinstance(turn, dict):
-            return False
-        now = _turn_state(turn)
-        arrays = len(_ARRAY_FIELDS)
-        if any(a is not b for a, b in zip(now[:arrays], given[:arrays])) or now[arrays:] != given[arrays:]:
+        if not isinstance(turn, dict) or len(turn) != len(given) or not all(map(is_, turn.values(), given)):
             return False
     return True
 
