@@ -116,11 +116,13 @@ def _fill(client: httpx.Client, input_file: Path, records: list[bytes], tag: str
     return run_id
 
 
-def _timed_read(url: str, read_format: str, run_id: str | None, count: int
+def _timed_read(loop: asyncio.AbstractEventLoop, url: str, read_format: str, run_id: str | None, count: int
                 ) -> tuple[float, float, list[dict[str, Any]]]:
     """One leased read as the adapter makes it (`fetch_rollout_data`'s steps): (seconds to the whole body,
     seconds in all, records). The first part is the server's work and the transfer, the rest the client's
-    decoding (JSON parse, or packed decode into arrays)."""
+    decoding (JSON parse, or packed decode into arrays). It runs on a loop of its own, as the adapter's
+    reads do: `asyncio.run` in the main thread would format the finished task, hundreds of MB of body
+    included, when it puts the SIGINT handler back (CPython's `signal` module), and time that."""
     from rollout_buffer import packed_read
     from slime_adapter.buffer_client import _decode_answer, _parse_answer, _post
 
@@ -128,8 +130,8 @@ def _timed_read(url: str, read_format: str, run_id: str | None, count: int
     if run_id is not None:
         payload["run_id"] = run_id
     started = time.perf_counter()
-    raw, content_type = asyncio.run(_post(f"{url}/get_rollout_data", payload, 600.0,
-                                          accept=packed_read.accept_header(read_format == "packed")))
+    raw, content_type = loop.run_until_complete(_post(f"{url}/get_rollout_data", payload, 600.0,
+                                                      accept=packed_read.accept_header(read_format == "packed")))
     received = time.perf_counter() - started
     records, _, message = _parse_answer(_decode_answer(raw, content_type))
     elapsed = time.perf_counter() - started
@@ -166,6 +168,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         baseline = subprocess.Popen([sys.executable, "-m", "bench.read_throughput", "--serve-baseline", str(port),
                                      "--count", str(count), "--seed", str(seed)],
                                     cwd=Path(__file__).resolve().parent.parent)
+        loop = asyncio.new_event_loop()
         try:
             baseline_url = f"http://127.0.0.1:{port}"
             _wait_healthy(baseline_url, baseline)
@@ -175,10 +178,10 @@ def run(quick: bool = False) -> dict[str, Any]:
                 for trial in range(trials + 1):  # trial 0 warms every path up and is not counted
                     for kind in kinds[trial % 3:] + kinds[:trial % 3]:
                         if kind == "baseline":
-                            body_s, elapsed, records = _timed_read(baseline_url, "json", None, count)
+                            body_s, elapsed, records = _timed_read(loop, baseline_url, "json", None, count)
                         else:
                             run_id = _fill(client, input_file, packed, f"{kind}{trial}-{int(time.time() * 1000)}")
-                            body_s, elapsed, records = _timed_read(server.url, kind, run_id, count)
+                            body_s, elapsed, records = _timed_read(loop, server.url, kind, run_id, count)
                             client.delete(f"/runs/{run_id}")
                         if trial == 0:
                             _check(records, seed)
@@ -187,6 +190,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                             received[kind].append(body_s)
                         del records
         finally:
+            loop.close()
             baseline.terminate()
             baseline.wait(timeout=30)
     medians = {kind: statistics.median(values) for kind, values in timings.items()}

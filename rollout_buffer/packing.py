@@ -237,9 +237,9 @@ def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, An
     if not isinstance(metas, list):
         raise PackingError("_turns must be a list")
     view = memoryview(blob)
-    id_chunks: list[np.ndarray] = []
-    lp_chunks: list[np.ndarray] = []
-    layout: list[tuple[int, int, bool, bool]] = []  # per turn: stored prompt tail, outputs, ext, has logprobs
+    id_bytes: list[memoryview] = []
+    lp_bytes: list[tuple[memoryview, str]] = []
+    layout: list[tuple[int, int, bool, int]] = []  # per turn: stored prompt tail, outputs, ext, logprob width
     position = offset
     for i, meta in enumerate(metas):
         try:
@@ -251,30 +251,34 @@ def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, An
         end = position + 4 * (p + o) + width * o
         if end > len(blob):
             raise PackingError(f"turn {i}: arrays run past the end of the record")
-        id_chunks.append(np.frombuffer(view, dtype="<i4", count=p + o, offset=position))
+        id_bytes.append(view[position:position + 4 * (p + o)])
         if width:
-            lp_chunks.append(np.frombuffer(view, dtype="<f4" if width == 4 else "<f8", count=o,
-                                           offset=position + 4 * (p + o)))
-        layout.append((p, o, ext, bool(width)))
+            lp_bytes.append((view[position + 4 * (p + o):end], "<f4" if width == 4 else "<f8"))
+        layout.append((p, o, ext, width))
         position = end
     if position != len(blob):
         raise PackingError(f"packed record has {len(blob) - position} trailing bytes")
-    ids = _native(np.concatenate(id_chunks) if len(id_chunks) != 1 else id_chunks[0].copy())
+    ids = _native(np.frombuffer(b"".join(id_bytes), dtype="<i4"))  # one copy of all ids, one array
+    kinds = {kind for _, kind in lp_bytes}
+    if len(kinds) == 1:
+        logprobs = np.frombuffer(b"".join(chunk for chunk, _ in lp_bytes), dtype=kinds.pop()).astype(np.float64)
+    else:  # no logprobs, or float32 and float64 turns in one record
+        logprobs = np.concatenate([np.frombuffer(chunk, dtype=kind) for chunk, kind in lp_bytes] or [np.empty(0)],
+                                  dtype=np.float64)
     ids.flags.writeable = False
-    logprobs = np.concatenate(lp_chunks, dtype=np.float64) if lp_chunks else np.empty(0)
     logprobs.flags.writeable = False
     turns: list[dict[str, Any]] = []
     start = at = lp_at = 0  # where the current history began, the next turn's ids, its logprobs
-    for meta, (p, o, ext, has_lp) in zip(metas, layout):
+    for meta, (p, o, ext, width) in zip(metas, layout):
         if not ext:
             start = at
         turn = {"prompt_ids": ids[start:at + p], "output_ids": ids[at + p:at + p + o],
-                "output_logprobs": logprobs[lp_at:lp_at + o] if has_lp else None,
+                "output_logprobs": logprobs[lp_at:lp_at + o] if width else None,
                 "finish_reason": meta.get("finish_reason"), "weight_version": meta.get("weight_version")}
         if meta.get("vs") is not None:
             turn["version_spans"] = meta["vs"]
         turns.append(turn)
         at += p + o
-        lp_at += o if has_lp else 0
+        lp_at += o if width else 0
     record["turns"] = turns
     return record, metas, offset
