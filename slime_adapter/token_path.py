@@ -5,9 +5,10 @@ template scaffolding) gets mask 0, the sampled output mask 1. A prompt that does
 (the worker re-rendered and the ids drifted) cannot be masked exactly, so the trajectory forks: the piece
 so far is closed and a new one starts from that turn's prompt.
 
-The work is numpy array operations (prefix checks, concatenation, masks); each piece becomes slime's
-lists once, at the end, so a packed read's arrays reach the Sample without a Python object per token
-on the way.
+Turns come as validated `Turn`s or dicts of lists (a JSON read), built with list operations, or as dicts
+whose sequences are numpy arrays (a packed read), built with array operations and made into slime's lists
+once per piece, so a packed read's tokens reach the Sample without a Python object per token on the way.
+Both follow the same rule (tests/test_packed_read_adapter.py checks them against one statement of it).
 """
 
 from __future__ import annotations
@@ -68,9 +69,68 @@ class TokenPathResult:
         return len(self.pieces) - 1
 
 
+@dataclass
+class _PieceBuilder:
+    """Accumulates one piece; `tokens` is always exactly the history the next prompt must extend."""
+
+    tokens: list[int]
+    prompt_length: int
+    first_turn: int
+    loss_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    has_log_probs: bool = True
+    weight_versions: list[str | int | None] = field(default_factory=list)
+    last_turn: int = -1
+    finish_reason: str | None = None
+    offpolicy_masked: int = 0
+
+    def extends(self, prompt_ids: Sequence[int]) -> bool:
+        n = len(self.tokens)
+        return len(prompt_ids) >= n and list(prompt_ids[:n]) == self.tokens
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.tokens.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.log_probs.extend([0.0] * len(ids))
+
+    def add_output(self, index: int, turn: Turn, newest: int | None = None) -> None:
+        self.tokens.extend(turn.output_ids)
+        if newest is None:
+            self.loss_mask.extend([1] * len(turn.output_ids))
+        else:  # train only what the newest version generated (slime's --mask-offpolicy-in-partial-rollout)
+            mask = [0 if v is not None and v < newest else 1 for v in token_versions(turn)]
+            self.offpolicy_masked += len(mask) - sum(mask)
+            self.loss_mask.extend(mask)
+        if turn.output_logprobs is None:
+            self.has_log_probs = False
+            self.log_probs.extend([0.0] * len(turn.output_ids))
+        else:
+            self.log_probs.extend(float(x) for x in turn.output_logprobs)
+        self.weight_versions.append(turn.weight_version)
+        self.last_turn = index
+        self.finish_reason = turn.finish_reason
+
+    def finish(self) -> TokenPiece:
+        response_length = len(self.tokens) - self.prompt_length
+        log_probs = self.log_probs if self.has_log_probs else None
+        assert len(self.loss_mask) == response_length, "loss_mask length != response_length"
+        assert log_probs is None or len(log_probs) == response_length, "rollout_log_probs length != response_length"
+        return TokenPiece(
+            tokens=self.tokens,
+            prompt_length=self.prompt_length,
+            loss_mask=self.loss_mask,
+            rollout_log_probs=log_probs,
+            first_turn=self.first_turn,
+            last_turn=self.last_turn,
+            weight_versions=self.weight_versions,
+            finish_reason=self.finish_reason,
+            offpolicy_masked=self.offpolicy_masked,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class _TurnArrays:
-    """One turn with its sequences as numpy arrays (from a validated `Turn`, or straight from a packed read)."""
+    """One turn of a packed read, its sequences as numpy arrays."""
 
     prompt: np.ndarray
     output: np.ndarray
@@ -81,8 +141,9 @@ class _TurnArrays:
 
 
 @dataclass
-class _PieceBuilder:
-    """Accumulates one piece as array chunks; `history()` is exactly what the next prompt must extend."""
+class _ArrayPieceBuilder:
+    """`_PieceBuilder` for array turns: accumulates array chunks; `history()` is exactly what the next prompt
+    must extend; lists are made once, in `finish`."""
 
     first: _TurnArrays
     first_turn: int
@@ -124,7 +185,7 @@ class _PieceBuilder:
         if newest is None:
             mask = np.ones(n, dtype=np.int8)
         else:  # train only what the newest version generated (slime's --mask-offpolicy-in-partial-rollout)
-            versions = _token_versions(turn)
+            versions = _array_token_versions(turn)
             mask = ((versions < 0) | (versions >= newest)).astype(np.int8)
             self.offpolicy_masked += n - int(mask.sum())
         if turn.logprobs is None:
@@ -158,6 +219,27 @@ class _PieceBuilder:
         )
 
 
+def _as_turn(turn: Turn | dict[str, Any]) -> Turn:
+    return turn if isinstance(turn, Turn) else Turn.model_validate(turn)
+
+
+def _version(value: str | int | None) -> int | None:
+    """A policy version as an int; None for labels that are not one (SGLang's default "default")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdecimal():
+        return int(value)
+    return None
+
+
+def token_versions(turn: Turn) -> list[int | None]:
+    """The policy version each output token was generated under: from `version_spans` when the turn was
+    aborted and continued under a newer version, else the turn's own `weight_version` for every token."""
+    if turn.version_spans:
+        return [_version(v) for v, count in turn.version_spans for _ in range(count)]
+    return [_version(turn.weight_version)] * len(turn.output_ids)
+
+
 def _is_array_turn(turn: Any) -> bool:
     return isinstance(turn, dict) and isinstance(turn.get("output_ids"), np.ndarray)
 
@@ -178,25 +260,6 @@ def _array_turn(turn: dict[str, Any], index: int) -> _TurnArrays:
     return _TurnArrays(prompt, output, logprobs, turn.get("finish_reason"), turn.get("weight_version"), spans)
 
 
-def _as_arrays(turn: Turn | dict[str, Any], index: int) -> _TurnArrays:
-    if _is_array_turn(turn):
-        return _array_turn(turn, index)  # type: ignore[arg-type]
-    parsed = turn if isinstance(turn, Turn) else Turn.model_validate(turn)
-    logprobs = None if parsed.output_logprobs is None else np.asarray(parsed.output_logprobs, dtype=np.float64)
-    return _TurnArrays(np.asarray(parsed.prompt_ids, dtype=np.int64), np.asarray(parsed.output_ids, dtype=np.int64),
-                       logprobs, parsed.finish_reason, parsed.weight_version,
-                       None if parsed.version_spans is None else [list(span) for span in parsed.version_spans])
-
-
-def _version(value: str | int | None) -> int | None:
-    """A policy version as an int; None for labels that are not one (SGLang's default "default")."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.isdecimal():
-        return int(value)
-    return None
-
-
 def _span_versions(turn: _TurnArrays) -> list[tuple[int | None, int]]:
     """(version, output tokens) runs of a turn: its `version_spans`, else its `weight_version` for all."""
     if turn.version_spans:
@@ -204,41 +267,56 @@ def _span_versions(turn: _TurnArrays) -> list[tuple[int | None, int]]:
     return [(_version(turn.weight_version), len(turn.output))]
 
 
-def _token_versions(turn: _TurnArrays) -> np.ndarray:
-    """The policy version each output token was generated under (-1: none), one array per turn."""
+def _array_token_versions(turn: _TurnArrays) -> np.ndarray:
+    """`token_versions` as one array per turn (-1: no version)."""
     runs = _span_versions(turn)
     return np.repeat(np.asarray([-1 if v is None else v for v, _ in runs], dtype=np.int64),
                      np.asarray([count for _, count in runs], dtype=np.int64))
 
 
-def token_versions(turn: Turn | dict[str, Any]) -> list[int | None]:
-    """The policy version each output token was generated under: from `version_spans` when the turn was
-    aborted and continued under a newer version, else the turn's own `weight_version` for every token."""
-    return [None if v < 0 else v for v in _token_versions(_as_arrays(turn, 0)).tolist()]
-
-
-def build_token_pieces(turns: Sequence[Turn | dict[str, Any]], *, mask_offpolicy: bool = False) -> TokenPathResult:
-    """Cut a trajectory's `turns` into token-exact pieces (one, plus one per fork). With `mask_offpolicy`,
-    generated tokens older than the newest policy version in the trajectory get mask 0 (counted).
-
-    Turns may be validated `Turn`s, dicts of lists (validated here), or dicts whose sequences are numpy
-    arrays (a packed read): the work is array operations either way, lists are made once per piece."""
-    if not turns:
-        raise ValueError("token path needs at least one turn")
-    parsed = [_as_arrays(raw, i) for i, raw in enumerate(turns)]
+def _array_pieces(turns: Sequence[dict[str, Any]], mask_offpolicy: bool) -> list[TokenPiece]:
+    parsed = [_array_turn(raw, i) for i, raw in enumerate(turns)]
     newest = None
     if mask_offpolicy:
         versions = [v for turn in parsed for v, count in _span_versions(turn) if v is not None and count > 0]
         newest = max(versions) if versions else None
     pieces: list[TokenPiece] = []
-    current: _PieceBuilder | None = None
+    current: _ArrayPieceBuilder | None = None
     for index, turn in enumerate(parsed):
         if current is not None and current.extends(turn.prompt):
             current.add_context(turn.prompt[current.length:])
         else:
             if current is not None:
                 pieces.append(current.finish())
-            current = _PieceBuilder(first=turn, first_turn=index)
+            current = _ArrayPieceBuilder(first=turn, first_turn=index)
+        current.add_output(index, turn, newest)
+    assert current is not None
+    pieces.append(current.finish())
+    return pieces
+
+
+def build_token_pieces(turns: Sequence[Turn | dict[str, Any]], *, mask_offpolicy: bool = False) -> TokenPathResult:
+    """Cut a trajectory's `turns` into token-exact pieces (one, plus one per fork). With `mask_offpolicy`,
+    generated tokens older than the newest policy version in the trajectory get mask 0 (counted). Turns
+    whose sequences are all numpy arrays take the array path (module docstring)."""
+    if not turns:
+        raise ValueError("token path needs at least one turn")
+    if all(_is_array_turn(turn) for turn in turns):
+        return TokenPathResult(pieces=_array_pieces(turns, mask_offpolicy))  # type: ignore[arg-type]
+    parsed = [_as_turn(raw) for raw in turns]
+    newest = None
+    if mask_offpolicy:
+        versions = [v for turn in parsed for v in token_versions(turn) if v is not None]
+        newest = max(versions) if versions else None
+    pieces: list[TokenPiece] = []
+    current: _PieceBuilder | None = None
+    for index, turn in enumerate(parsed):
+        if current is not None and current.extends(turn.prompt_ids):
+            current.add_context(turn.prompt_ids[len(current.tokens):])
+        else:
+            if current is not None:
+                pieces.append(current.finish())
+            current = _PieceBuilder(tokens=list(turn.prompt_ids), prompt_length=len(turn.prompt_ids), first_turn=index)
         current.add_output(index, turn, newest)
     assert current is not None
     pieces.append(current.finish())
