@@ -57,6 +57,10 @@ def transform_group(group, task_type):
     _trim(turns[-1])
     _trim(second["turns"][-1])
     third["turns"][0]["finish_reason"] = "edited"
+    try:
+        third["turns"][1]["output_ids"][0] = 7
+    except ValueError:
+        third["extra_info"]["in_place_write"] = "refused"
     return instance_id, [{**first, "turns": turns, "reward": first["reward"] + 10}, second, third]
 '''
 
@@ -193,6 +197,7 @@ def test_a_hook_that_changes_turns_gets_them_packed_anew(client: httpx.Client, i
         assert record["turns"][0]["output_ids"].tolist() == written["turns"][0]["output_ids"], "untouched turn"
     assert new_list["reward"] == records[0]["reward"] + 10
     assert [t["finish_reason"] for t in scalar["turns"]] == ["edited", "stop"]
+    assert scalar["extra_info"]["in_place_write"] == "refused", "hooks see read-only arrays"
     assert scalar["turns"][1]["output_ids"].tolist() == records[2]["turns"][1]["output_ids"]
 
 
