@@ -110,7 +110,8 @@ def _fill(client: httpx.Client, input_file: Path, records: list[bytes], tag: str
                                                  "num_repeat_per_sample": GROUP, "run_id": f"bench-read-{tag}"}
                          ).json()["run_id"]
     for start in range(0, len(records), WRITE_BATCH):
-        response = client.post(f"/buffer/write_packed?run_id={run_id}", content=b"".join(records[start:start + WRITE_BATCH]),
+        body = b"".join(records[start:start + WRITE_BATCH])
+        response = client.post(f"/buffer/write_packed?run_id={run_id}", content=body,
                                headers={"content-type": CONTENT_TYPE})
         assert response.status_code == 200, response.text
     return run_id

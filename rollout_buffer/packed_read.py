@@ -5,8 +5,9 @@ Body: a little-endian u32 length and the JSON envelope (the JSON answer without 
 the record in the store's packed form (`rollout_buffer.packing`: a JSON header, then the token ids and
 logprobs as little-endian arrays). The arrays travel as Redis holds them, so neither side makes a Python
 object per token. Each record's header is the record as the JSON answer shows it after the group hooks ran
-(reward normalisation, `epoch`, ...): the server puts the new header over the stored arrays
-(as `packing.with_header` does, without copying them twice), and packs the record again only when a hook replaced its turns.
+(reward normalisation, `epoch`, ...): the server puts the new header over the stored arrays (as
+`packing.with_header` does, without copying them twice), and packs the record again only when a hook
+changed its turns.
 
 `decode` gives the JSON answer's shape back, with each turn's `prompt_ids` / `output_ids` as read-only
 int32 numpy arrays and `output_logprobs` as float64 ones. A wire-format module: the trainer side imports

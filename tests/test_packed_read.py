@@ -127,7 +127,8 @@ def without_retry(meta: dict[str, Any]) -> dict[str, Any]:
 def test_one_read_in_both_forms_carries_identical_records(client: httpx.Client, input_file: Path,
                                                          qwen_tokenizer: Any) -> None:
     run_id = new_run(client, input_file)
-    records = [tool_trajectory(qwen_tokenizer, "i0", 1, exact32=False), tool_trajectory(qwen_tokenizer, "i0", 2, exact32=True),
+    records = [tool_trajectory(qwen_tokenizer, "i0", 1, exact32=False),
+               tool_trajectory(qwen_tokenizer, "i0", 2, exact32=True),
                forked_trajectory(qwen_tokenizer, "i1", 3),
                {"uid": "i1-plain", "instance_id": "i1", "reward": 0.25, "extra_info": {}, "status": "failed",
                 "timestamp": 2000.0, "messages": [{"role": "user", "content": "hi"}]}]
@@ -145,7 +146,8 @@ def test_one_read_in_both_forms_carries_identical_records(client: httpx.Client, 
         for turn, sent in zip(record.get("turns") or [], written.get("turns") or []):
             assert turn["prompt_ids"].dtype == turn["output_ids"].dtype == np.int32
             assert not turn["output_ids"].flags.writeable
-            assert turn["prompt_ids"].tolist() == sent["prompt_ids"] and turn["output_ids"].tolist() == sent["output_ids"]
+            assert turn["prompt_ids"].tolist() == sent["prompt_ids"]
+            assert turn["output_ids"].tolist() == sent["output_ids"]
             if sent["output_logprobs"] is None:
                 assert turn["output_logprobs"] is None
             else:

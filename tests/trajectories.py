@@ -50,8 +50,10 @@ def tool_trajectory(tok: Any, instance_id: str, seed: int, *, exact32: bool) -> 
     call = {"id": "call_0", "type": "function",
             "function": {"name": "calculator", "arguments": f'{{"expression": "{a} * {b}"}}'}}
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    out1 = ids(tok, f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call>') + [end]
-    tail = ids(tok, f"\n<|im_start|>user\n<tool_response>\n{a * b}\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    call_text = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} * {b}"}}}}\n</tool_call>'
+    out1 = ids(tok, call_text) + [end]
+    tail = ids(tok, f"\n<|im_start|>user\n<tool_response>\n{a * b}\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
     out2 = ids(tok, f"\nIt is {a * b}.  ") + [end]
 
     def logprobs(n: int) -> list[float]:
