@@ -3,11 +3,12 @@
 The token path uses the engine's own ids and never touches a tokenizer; a packed read's records (turns as
 numpy arrays) go through it without a Python object per token until the Sample's lists are made. The
 message path re-renders the messages with the chat template (mask_source "retokenized") and is only as
-exact as that rendering; the sample's metadata says which one produced it. On the message path, `metadata["mask_edge_tokens"]` counts
-the tokens that merge template and generated characters and therefore got mask 0 (the edge rule of
-`slime_adapter.token_spans`), and a conversation that is not a chat the template renders exactly is kept
-with an all-zero loss mask, flagged in `metadata["mask_refused"]` (the reason) and `remove_sample`, and
-counted (`BuildStats.mask_refused`); it never raises (see `slime_adapter.message_path`).
+exact as that rendering; the sample's metadata says which one produced it. On the message path,
+`metadata["mask_edge_tokens"]` counts the tokens that merge template and generated characters and
+therefore got mask 0 (the edge rule of `slime_adapter.token_spans`), and a conversation that is not a chat
+the template renders exactly is kept with an all-zero loss mask, flagged in `metadata["mask_refused"]`
+(the reason) and `remove_sample`, and counted (`BuildStats.mask_refused`); it never raises (see
+`slime_adapter.message_path`).
 
 A token-path record whose history forks yields one piece per fork. `fork_policy` says what the trainer
 receives: "all" keeps every piece (trainers that accept uneven groups); "last" keeps only the last piece,
