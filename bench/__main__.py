@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -18,7 +19,8 @@ from typing import Any
 import orjson
 
 # benchmark name -> module in this package with run(quick) -> dict
-BENCHMARKS = ("ingest", "read_latency", "storage", "rollout_concurrency", "sample_building", "end_to_end")
+BENCHMARKS = ("ingest", "read_latency", "read_throughput", "storage", "rollout_concurrency", "sample_building",
+              "end_to_end")
 
 
 @dataclass
@@ -29,6 +31,23 @@ class Row:
     ratio: float
     target: str
     met: bool
+    why: str = ""  # printed when the target is missed: what the measurements say limits this row
+
+
+def shortfall(row: Row) -> str:
+    """How far a missed row is from its target, from the target's first bound (">= 2x", "<= 1.3", ...)."""
+    match = re.search(r"([<>]=)\s*([0-9.]+)", row.target)
+    if match is None:
+        return "target not met"
+    bound = float(match.group(2))
+    missing = bound - row.ratio if match.group(1) == ">=" else row.ratio - bound
+    if missing <= 0:  # the ratio is met; another condition of the target is not
+        return f"ratio met; {row.target} not"
+    return f"{missing:.2f} ({missing / bound:.0%}) short of {match.group(1)} {bound:g}"
+
+
+HTTP_BOUND = ("a 2-core machine runs the load generator, the server and Redis; per write the server parses ~7,500 "
+              "numbers (every turn's ids, logprobs), packs them, makes a Redis round trip (profile: bench/README.md)")
 
 
 def _rows(name: str, r: dict[str, Any]) -> list[Row]:
@@ -36,10 +55,11 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
     if name == "ingest":
         return [
             Row("ingest (/buffer/write, 64 clients)", f"{r['write_records_per_s']:.0f} rec/s",
-                f"{r['noop_records_per_s']:.0f} rec/s parse-only", r["ratio"], ">= 0.8x", r["ratio"] >= 0.8),
+                f"{r['noop_records_per_s']:.0f} rec/s parse-only", r["ratio"], ">= 0.8x", r["ratio"] >= 0.8,
+                HTTP_BOUND),
             Row("ingest vs the HTTP limit", f"{r['write_records_per_s']:.0f} rec/s",
                 f"{r['read_only_records_per_s']:.0f} rec/s read-body-only", r["read_only_ratio"], ">= 0.35x",
-                r["read_only_ratio"] >= 0.35),
+                r["read_only_ratio"] >= 0.35, HTTP_BOUND),
             Row(f"JSON batch ingest ({r['batch_size']}/request)", f"{r['json_batch_records_per_s']:.0f} rec/s",
                 f"{r['write_records_per_s']:.0f} rec/s single JSON", r["json_batch_ratio"], ">= 1.5x",
                 r["json_batch_ratio"] >= 1.5),
@@ -51,6 +71,17 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
         return [Row("read 128 groups x 8", f"{r['many']['median_s'] * 1000:.1f} ms, {r['many']['pending_groups']} pending",
                     f"{r['few']['median_s'] * 1000:.1f} ms, {r['few']['pending_groups']} pending", r["ratio"],
                     "<= 1.3", r["ratio"] <= 1.3)]
+    if name == "read_throughput":
+        rate, size = r["records_per_s"], f"{r['records']} x {r['record_json_bytes'] / 1024:.0f} KB"
+        base = f"{rate['baseline']:.0f} rec/s json from memory"
+        body, total = r["body_median_s"], r["median_s"]
+        client = f"the client's JSON parse ({total['json'] - body['json']:.1f} s) is the same work on both sides"
+        server = (f"server and transfer {body['packed']:.2f} s, decoding {total['packed'] - body['packed']:.2f} s, "
+                  f"against {total['baseline']:.1f} s; on a shared 2-core machine the server's share varies most")
+        return [Row(f"full read {size}, JSON", f"{rate['json']:.0f} rec/s", base, r["json_ratio"], ">= 1.5x",
+                    r["json_ratio"] >= 1.5, client),
+                Row(f"full read {size}, packed", f"{rate['packed']:.0f} rec/s", base, r["packed_ratio"], ">= 5x",
+                    r["packed_ratio"] >= 5, server)]
     if name == "storage":
         b = r["bytes_per_token"]
         return [Row("storage of turns", f"{b['packed_turns']:.2f} B/token", f"{b['json_turns']:.2f} B/token JSON",
@@ -60,7 +91,9 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
         return [Row(f"rollout concurrency ({r['rollouts']} x 3 turns, {r['worker_processes']} worker proc.)",
                     f"{r['calls_per_s']:.0f} calls/s, RSS {r['peak_rss_mb']:.0f} MB",
                     f"{r['baseline_calls_per_s']:.0f} calls/s bare client ({r['ideal_calls_per_s']:.0f} ideal)",
-                    r["ratio"], ">= 0.9x, RSS <= 600 MB", ok)]
+                    r["ratio"], ">= 0.9x, RSS <= 600 MB", ok,
+                    "the runtime's CPU per engine call (chat template, tokens, HTTP, records) on cores shared with "
+                    "the engine; the ratio moves with the machine's load (README)")]
     if name == "sample_building":
         return [
             Row("sample building, message path", f"{r['message_per_s']:.0f} samples/s",
@@ -107,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(_rows(name, result))
     table = render(rows)
     print(table)
+    for row in rows:
+        if not row.met:
+            print(f"missed: {row.benchmark.strip()}: {shortfall(row)}; {row.why or 'see bench/README.md'}")
     elapsed = time.perf_counter() - started
     print(f"\n{sum(r.met for r in rows)}/{len(rows)} targets met; {elapsed:.0f} s "
           f"({'quick' if args.quick else 'full'} run, {platform.machine()}, Python {platform.python_version()})")

@@ -17,7 +17,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from rollout_buffer import keys
-from rollout_buffer.packing import unpack_record
+from rollout_buffer.packed_read import StoredArrays, stored_record
 from rollout_buffer.store import Store, number, text
 
 BLOCKING_SLICE_S = 5.0
@@ -26,6 +26,9 @@ RELEASE_ALL = 1e18  # a lease "expiry time" every lease is due by
 
 @dataclass
 class ReadGroup:
+    """One group's records, as the hooks and the answer see them: each turn's ids and logprobs are
+    read-only numpy arrays (`packing.unpack_record_arrays`), never a Python object per token."""
+
     run_id: str
     epoch: int
     instance_id: str
@@ -53,6 +56,7 @@ class ReadBatch:
     policy_version: int | None = None  # the reader's (or the run's last known) policy version
     requeued: list[str] = field(default_factory=list)  # stale groups sent back for a new rollout
     dropped: list[str] = field(default_factory=list)  # stale groups dropped
+    stored: dict[str, StoredArrays] = field(default_factory=dict)  # uid -> its blob, for packed answers
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,9 @@ async def read_ready(store: Store, run_id: str, max_samples: int | None = None, 
             if not blob:  # cannot happen while every writer uses WRITE_RECORD; counted if it does
                 batch.missing_records += 1
                 continue
-            records.append(unpack_record(blob))
+            record, stored = stored_record(blob)
+            records.append(record)
+            batch.stored[str(record["uid"])] = stored
         records.sort(key=lambda r: (r.get("timestamp") or 0.0, r["uid"]))
         batch.groups.append(ReadGroup(run_id, epoch, instance_id, records))
     if batch.missing_records and batch.kind != "retry":

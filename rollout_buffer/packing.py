@@ -212,3 +212,79 @@ def unpack_record(blob: bytes) -> dict[str, Any]:
         raise PackingError(f"packed record has {len(blob) - offset} trailing bytes")
     record["turns"] = turns
     return record
+
+
+def header_bytes(header: dict[str, Any]) -> bytes:
+    """What precedes a packed record's arrays: `with_header(blob, header, offset)` is these bytes followed by
+    `blob[offset:]`, so a writer can send the two parts without joining them first."""
+    head = orjson.dumps(header)
+    return b"".join([MAGIC, _HEADER_LEN.pack(len(head)), head])
+
+
+def _native(values: np.ndarray) -> np.ndarray:
+    """A little-endian array in native byte order (a copy only on big-endian machines)."""
+    return values.astype(values.dtype.newbyteorder("="), copy=False) if _SWAP else values
+
+
+def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, Any]] | None, int]:
+    """`unpack_record` without a Python object per token: each turn's `prompt_ids` and `output_ids` are
+    read-only int32 numpy arrays and its `output_logprobs` a read-only float64 array (float32-stored values
+    widen exactly). All ids of a record live in one array and each turn's sequences are views of it (a
+    prompt that extends the previous turn is the history so far, not a copy). Returns the record, its turn
+    metadata (`_turns`, None without turns) and where its arrays start in `blob`, so a reader can put a new
+    header over the same arrays (`with_header`). Raises PackingError when the arrays and the metadata do
+    not add up to the blob."""
+    record, offset = read_header(blob)
+    metas = record.pop("_turns", None)
+    if metas is None:
+        if offset != len(blob):
+            raise PackingError("packed record without turns has trailing bytes")
+        return record, None, offset
+    if not isinstance(metas, list):
+        raise PackingError("_turns must be a list")
+    view = memoryview(blob)
+    id_bytes: list[memoryview] = []
+    lp_bytes: list[tuple[memoryview, str]] = []
+    layout: list[tuple[int, int, bool, int]] = []  # per turn: stored prompt tail, outputs, ext, logprob width
+    position = offset
+    for i, meta in enumerate(metas):
+        try:
+            p, o, width, ext = int(meta["p"]), int(meta["o"]), int(meta["lp"]), bool(meta["ext"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PackingError(f"turn {i}: bad array metadata ({exc})") from exc
+        if p < 0 or o < 0 or width not in (0, 4, 8) or (ext and i == 0):
+            raise PackingError(f"turn {i}: bad array metadata")
+        end = position + 4 * (p + o) + width * o
+        if end > len(blob):
+            raise PackingError(f"turn {i}: arrays run past the end of the record")
+        id_bytes.append(view[position:position + 4 * (p + o)])
+        if width:
+            lp_bytes.append((view[position + 4 * (p + o):end], "<f4" if width == 4 else "<f8"))
+        layout.append((p, o, ext, width))
+        position = end
+    if position != len(blob):
+        raise PackingError(f"packed record has {len(blob) - position} trailing bytes")
+    ids = _native(np.frombuffer(b"".join(id_bytes), dtype="<i4"))  # one copy of all ids, one array
+    kinds = {kind for _, kind in lp_bytes}
+    if len(kinds) == 1:
+        logprobs = np.frombuffer(b"".join(chunk for chunk, _ in lp_bytes), dtype=kinds.pop()).astype(np.float64)
+    else:  # no logprobs, or float32 and float64 turns in one record
+        logprobs = np.concatenate([np.frombuffer(chunk, dtype=kind) for chunk, kind in lp_bytes] or [np.empty(0)],
+                                  dtype=np.float64)
+    ids.flags.writeable = False
+    logprobs.flags.writeable = False
+    turns: list[dict[str, Any]] = []
+    start = at = lp_at = 0  # where the current history began, the next turn's ids, its logprobs
+    for meta, (p, o, ext, width) in zip(metas, layout):
+        if not ext:
+            start = at
+        turn = {"prompt_ids": ids[start:at + p], "output_ids": ids[at + p:at + p + o],
+                "output_logprobs": logprobs[lp_at:lp_at + o] if width else None,
+                "finish_reason": meta.get("finish_reason"), "weight_version": meta.get("weight_version")}
+        if meta.get("vs") is not None:
+            turn["version_spans"] = meta["vs"]
+        turns.append(turn)
+        at += p + o
+        lp_at += o if width else 0
+    record["turns"] = turns
+    return record, metas, offset

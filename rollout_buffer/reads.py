@@ -14,6 +14,11 @@ read's handed samples that carry a version (nulls when none does), measured agai
 version; every handed sample adds to the run's `staleness_hist:<staleness>` counter, and a stale group a
 `keep` run hands over to `stale_kept_groups`. Stale groups the read dropped or sent back for a new rollout
 are listed in `stale_dropped_groups` / `stale_requeued_groups`.
+
+Records reach the hooks and the answer with their turns' token ids and logprobs as read-only numpy arrays:
+the JSON answer prints them without a Python object per number, and the packed answer
+(`rollout_buffer.packed_read`) sends the stored arrays themselves. A hook may read them, or replace a
+turn's arrays (the record is then packed anew for a packed answer); it cannot change them in place.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer import group_filter, handover
 from rollout_buffer.handover import ReadBatch
 from rollout_buffer.metrics.readlog import record_read
+from rollout_buffer.packed_read import StoredArrays
 from rollout_buffer.store import Store
 from rollout_buffer.tasks import TaskModule
 from rollout_buffer.versions import record_version, staleness_summary
@@ -136,6 +143,14 @@ def _stale_totals(stats: dict[str, float]) -> dict[str, Any]:
     return totals
 
 
+@dataclass
+class ReadAnswer:
+    """A read's JSON-shaped answer and, by uid, the stored blobs of its records (for the packed form)."""
+
+    body: dict[str, Any]
+    stored: dict[str, StoredArrays] = field(default_factory=dict)
+
+
 async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, *, num: int | None,
                             wait_s: float, min_valid_group_size: int, lease_s: float = 0.0,
                             batch_id: str = "", policy_version: int | None = None,
@@ -143,6 +158,16 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
     """The `/get_rollout_data` answer for `run_id` (see DESIGN.md's wire contract). With `lease_s` the
     groups are leased under `batch_id` until acknowledged (`handover.ack_batch`). `policy_version` is the
     reader's; `run_meta` the run's meta (its staleness bound, stale policy, group filter, group size)."""
+    return (await read_answer(store, run_id, task, num=num, wait_s=wait_s, min_valid_group_size=min_valid_group_size,
+                              lease_s=lease_s, batch_id=batch_id, policy_version=policy_version,
+                              run_meta=run_meta)).body
+
+
+async def read_answer(store: Store, run_id: str, task: TaskModule | None, *, num: int | None,
+                      wait_s: float, min_valid_group_size: int, lease_s: float = 0.0,
+                      batch_id: str = "", policy_version: int | None = None,
+                      run_meta: dict[str, str] | None = None) -> ReadAnswer:
+    """`read_rollout_data`, with the stored blobs the packed form reuses: one code path for both forms."""
     meta_fields = run_meta or {}
     bound = int(meta_fields["max_staleness"]) if meta_fields.get("max_staleness") else None
     policy = meta_fields.get("stale_policy") or "requeue"
@@ -159,17 +184,18 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
         requeued += batch.requeued
         dropped += batch.dropped
         if batch.kind == "acked":
-            return empty(f"batch {batch_id} was already acknowledged; read with a new batch_id for more data",
-                         {"batch_id": batch_id, "acknowledged": True})
+            return ReadAnswer(empty(f"batch {batch_id} was already acknowledged; read with a new batch_id for "
+                                    "more data", {"batch_id": batch_id, "acknowledged": True}))
         if batch.groups:
             break
         head = await handover.head_group_size(store, run_id)
         if head is not None and num is not None and head > num:
-            return empty(f"num={num} is smaller than the next ready group ({head} records); "
-                         "ask for at least one whole group")
+            return ReadAnswer(empty(f"num={num} is smaller than the next ready group ({head} records); "
+                                    "ask for at least one whole group"))
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return empty("no group is ready", _stale_lists(requeued, dropped) if requeued or dropped else None)
+            return ReadAnswer(empty("no group is ready",
+                                    _stale_lists(requeued, dropped) if requeued or dropped else None))
         await handover.wait_for_ready(store, run_id, remaining)
     task_type = task.task_type if task else ""
     dynamic, unavailable = _group_filter(meta_fields.get("group_filter"), len(batch.groups))
@@ -209,12 +235,12 @@ async def read_rollout_data(store: Store, run_id: str, task: TaskModule | None, 
         await record_read(store, run_id, batch, records, meta)
     except Exception:
         log.exception("could not log the read of run %s for the dashboard", run_id)
-    return {
+    return ReadAnswer({
         "success": bool(records) or bool(info["finished_groups"]),
         "message": f"{len(info['finished_groups'])} group(s), {len(records)} sample(s)"
                    + (f" (batch {batch_id}, leased for {batch.lease_s:g} s)" if batch_id else ""),
         "data": {"data": records, "meta_info": meta},
-    }
+    }, batch.stored)
 
 
 def _group_filter(spec: str | None, groups: int) -> tuple[group_filter.GroupFilter | None, int]:

@@ -338,7 +338,8 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
         try:
             records, meta, message = await fetch_rollout_data(
                 settings.buffer_url, num, settings.fetch_timeout_s, run_id=state.run_id, lease_s=settings.lease_s,
-                batch_id=batch_id, ack=acks, wait_s=0.0 if enough else None, policy_version=step.rollout_id)
+                batch_id=batch_id, ack=acks, wait_s=0.0 if enough else None, policy_version=step.rollout_id,
+                read_format=settings.read_format)
         except RunSuperseded as exc:
             log.warning("rollout %d: %s; reading %s from now on", step.rollout_id, exc, exc.successor)
             state.run_id, state.pending_acks, batch_id = exc.successor, [], _new_batch_id()

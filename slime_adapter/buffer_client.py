@@ -4,6 +4,12 @@ Errors are sorted so the caller can act on them: a refused start (4xx) is a conf
 never retried; an unreachable buffer is retried with exponential backoff and then reported; a malformed
 answer is a `ValueError` naming what is missing, a network failure an `aiohttp.ClientError`, a poll that
 outlives its timeout an `asyncio.TimeoutError`.
+
+Reads ask for the packed binary answer (`rollout_buffer.packed_read`) unless told otherwise
+(`read_format="json"`, the `agent_read_format` argument, or `ROLLOUT_BUFFER_READ_FORMAT=json` for
+debugging): token ids and logprobs then arrive as numpy arrays, never a Python object per token. A buffer
+that does not know the packed form (slime's own, an older one) answers JSON, which is read as before; the
+answer's Content-Type decides.
 """
 
 from __future__ import annotations
@@ -11,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import httpx
+import orjson
 import tenacity
 
+from rollout_buffer import packed_read
 from slime_adapter.auth import BufferAuthError, auth_headers
-from slime_adapter.settings import AgentRolloutSettings
+from slime_adapter.settings import READ_FORMAT_ENV, READ_FORMATS, AgentRolloutSettings
 
 __all__ = [
     "REQUIRED_RECORD_KEYS",
@@ -31,6 +40,7 @@ __all__ = [
     "build_start_payload",
     "get_rollout_data",
     "long_poll_wait_s",
+    "read_format_default",
     "resume_keys_from_metadata",
     "post_start_rollout",
     "skip_ids_from_metadata",
@@ -218,11 +228,28 @@ def long_poll_wait_s(timeout: float) -> float:
     return max(0.0, timeout - margin)
 
 
-def _parse_answer(text: str) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+def read_format_default() -> str:
+    """`$ROLLOUT_BUFFER_READ_FORMAT` ("packed" or "json"), else "packed"."""
+    value = os.environ.get(READ_FORMAT_ENV, "").strip().lower() or "packed"
+    if value not in READ_FORMATS:
+        raise ValueError(f"{READ_FORMAT_ENV} must be one of {READ_FORMATS}, got {value!r}")
+    return value
+
+
+def _decode_answer(raw: bytes, content_type: str) -> Any:
+    """The answer body as the JSON answer's shape: packed bodies decoded (arrays), JSON parsed."""
+    if content_type.split(";")[0].strip().lower() == packed_read.CONTENT_TYPE:
+        try:
+            return packed_read.decode(raw)
+        except packed_read.PackedReadError as exc:
+            raise ValueError(f"/get_rollout_data answered a malformed packed body: {exc}") from exc
     try:
-        body = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"/get_rollout_data answered non-JSON: {text[:200]!r}") from exc
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"/get_rollout_data answered non-JSON: {raw[:200]!r}") from exc
+
+
+def _parse_answer(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     if not isinstance(body, dict):
         raise ValueError(f"/get_rollout_data answered a {type(body).__name__}, expected an object")
     missing = sorted({"success", "data"} - set(body))
@@ -262,25 +289,27 @@ async def get_rollout_data(api_base_url: str, num: int | None = None, timeout: f
     return records, meta
 
 
-async def _post(url: str, payload: dict[str, Any], timeout: float) -> str:
-    """POST JSON, return the body text; HTTP errors raise (409 of a superseded run as `RunSuperseded`, 401
-    as `BufferAuthError`, which no retry loop catches)."""
+async def _post(url: str, payload: dict[str, Any], timeout: float, *,
+                accept: str = packed_read.JSON_TYPE) -> tuple[bytes, str]:
+    """POST JSON, return the body and its Content-Type; HTTP errors raise (409 of a superseded run as
+    `RunSuperseded`, 401 as `BufferAuthError`, which no retry loop catches)."""
     try:
         async with (asyncio.timeout(timeout), aiohttp.ClientSession() as session,
-                    session.post(url, json=payload, headers=auth_headers(url)) as response):
-            text = await response.text()
-            if response.status == 401:
-                raise BufferAuthError(f"{url} refused the request (HTTP 401): {_message_of(text)}; set the "
-                                      "buffer's token (ROLLOUT_BUFFER_AUTH_TOKEN or args.agent_rollout_buffer_token)")
-            if response.status == 409:
-                successor = _superseded_by(text)
+                    session.post(url, json=payload, headers={**auth_headers(url), "Accept": accept}) as response):
+            raw = await response.read()
+            if response.status >= 400:
+                text = raw.decode("utf-8", errors="replace")
+                if response.status == 401:
+                    raise BufferAuthError(f"{url} refused the request (HTTP 401): {_message_of(text)}; set the "
+                                          "buffer's token (ROLLOUT_BUFFER_AUTH_TOKEN or "
+                                          "args.agent_rollout_buffer_token)")
+                successor = _superseded_by(text) if response.status == 409 else ""
                 if successor:
                     raise RunSuperseded(f"{url}: {_message_of(text)}", successor)
-            if response.status >= 400:
                 raise aiohttp.ClientResponseError(
                     response.request_info, response.history, status=response.status,
                     message=f"{response.reason}: {text[:500]}", headers=response.headers)
-            return text
+            return raw, response.headers.get("Content-Type", "")
     except TimeoutError as exc:  # also aiohttp's own timeout errors, which are ClientErrors too
         raise asyncio.TimeoutError(f"{url} gave no answer within {timeout} s") from exc
 
@@ -304,11 +333,13 @@ def _message_of(text: str) -> str:
 async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout: float = 100.0, *,
                              run_id: str | None = None, lease_s: float | None = None, batch_id: str | None = None,
                              ack: list[str] | None = None, wait_s: float | None = None,
-                             policy_version: int | None = None,
+                             policy_version: int | None = None, read_format: str | None = None,
                              ) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     """`get_rollout_data` plus the buffer's `message`: when nothing is handed over, the message is the
     only place the buffer says why (nothing ready yet, or `num` smaller than the next group). `wait_s`
     (default: a long poll that fits in `timeout`) is how long the buffer may wait for a group.
+    `read_format` "packed" (default: `read_format_default()`) asks for the packed answer, whose records'
+    turns hold numpy arrays; "json" for plain JSON lists.
 
     With `lease_s` the batch is leased under `batch_id` (reading it again returns the same batch: retry
     with the same id after a lost answer) until acknowledged; `ack` acknowledges earlier batches in the
@@ -327,7 +358,12 @@ async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout:
             payload["batch_id"] = batch_id
     if ack:
         payload["ack"] = list(ack)
-    return _parse_answer(await _post(f"{api_base_url.rstrip('/')}/get_rollout_data", payload, timeout))
+    read_format = read_format or read_format_default()
+    if read_format not in READ_FORMATS:
+        raise ValueError(f"read_format must be one of {READ_FORMATS}, got {read_format!r}")
+    raw, content_type = await _post(f"{api_base_url.rstrip('/')}/get_rollout_data", payload, timeout,
+                                    accept=packed_read.accept_header(read_format == "packed"))
+    return _parse_answer(_decode_answer(raw, content_type))
 
 
 async def ack_batches(api_base_url: str, batch_ids: list[str], *, run_id: str | None, timeout: float = 30.0,
@@ -343,6 +379,6 @@ async def ack_batches(api_base_url: str, batch_ids: list[str], *, run_id: str | 
         retry=tenacity.retry_if_exception_type((aiohttp.ClientError, asyncio.TimeoutError)))
     async for attempt in retrying:
         with attempt:
-            body = json.loads(await _post(f"{api_base_url.rstrip('/')}/ack", payload, timeout))
+            body = orjson.loads((await _post(f"{api_base_url.rstrip('/')}/ack", payload, timeout))[0])
     results = body.get("data", {}).get("results", []) if isinstance(body, dict) else []
     return {str(r.get("batch_id")): str(r.get("outcome")) for r in results if isinstance(r, dict)}

@@ -1,12 +1,14 @@
 """Trajectory records -> training `Sample`s: the token path when `turns` exist, the message path otherwise.
 
-The token path uses the engine's own ids and never touches a tokenizer. The message path re-renders the
-messages with the chat template (mask_source "retokenized") and is only as exact as that rendering; the
-sample's metadata says which one produced it. On the message path, `metadata["mask_edge_tokens"]` counts
-the tokens that merge template and generated characters and therefore got mask 0 (the edge rule of
-`slime_adapter.token_spans`), and a conversation that is not a chat the template renders exactly is kept
-with an all-zero loss mask, flagged in `metadata["mask_refused"]` (the reason) and `remove_sample`, and
-counted (`BuildStats.mask_refused`); it never raises (see `slime_adapter.message_path`).
+The token path uses the engine's own ids and never touches a tokenizer; a packed read's records (turns as
+numpy arrays) go through it without a Python object per token until the Sample's lists are made. The
+message path re-renders the messages with the chat template (mask_source "retokenized") and is only as
+exact as that rendering; the sample's metadata says which one produced it. On the message path,
+`metadata["mask_edge_tokens"]` counts the tokens that merge template and generated characters and
+therefore got mask 0 (the edge rule of `slime_adapter.token_spans`), and a conversation that is not a chat
+the template renders exactly is kept with an all-zero loss mask, flagged in `metadata["mask_refused"]`
+(the reason) and `remove_sample`, and counted (`BuildStats.mask_refused`); it never raises (see
+`slime_adapter.message_path`).
 
 A token-path record whose history forks yields one piece per fork. `fork_policy` says what the trainer
 receives: "all" keeps every piece (trainers that accept uneven groups); "last" keeps only the last piece,
@@ -20,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from rollout_buffer.schema import TrajectoryRecord
 from slime_adapter.loss_mask import cached_loss_mask_generator
@@ -150,13 +154,13 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
 
 
 def _token_path_samples(
-    record: TrajectoryRecord, status: str, group_index: int | None, fork_policy: str, mask_offpolicy: bool = False
+    record: TrajectoryRecord, turns: Sequence[Any], status: str, group_index: int | None, fork_policy: str,
+    mask_offpolicy: bool = False,
 ) -> tuple[list[Any], BuildStats]:
-    assert record.turns is not None
-    result = build_token_pieces(record.turns, mask_offpolicy=mask_offpolicy)
+    result = build_token_pieces(turns, mask_offpolicy=mask_offpolicy)
     stats = BuildStats(records=1, forks=result.forks, token_path_records=1)
     texts = _assistant_texts(record.messages)
-    aligned = len(texts) == len(record.turns)
+    aligned = len(texts) == len(turns)
     kept = list(enumerate(result.pieces))
     if fork_policy == "last" and len(kept) > 1:
         for _, dropped in kept[:-1]:
@@ -261,11 +265,24 @@ def build_samples(
     it comes back refused (module docstring).
     """
     _check_fork_policy(fork_policy)
-    rec = record if isinstance(record, TrajectoryRecord) else TrajectoryRecord.model_validate(record)
+    rec, turns = _validated(record)
     status = _status_text(rec)
-    if rec.turns:
-        return _token_path_samples(rec, status, group_index, fork_policy, mask_offpolicy)
+    if turns:
+        return _token_path_samples(rec, turns, status, group_index, fork_policy, mask_offpolicy)
     return _message_path_samples(rec, status, tokenizer_getter, loss_mask_type, group_index, verify)
+
+
+def _validated(record: dict[str, Any] | TrajectoryRecord) -> tuple[TrajectoryRecord, Sequence[Any] | None]:
+    """The record's model and its turns. Turns of a packed read (numpy arrays) skip the model, which would
+    make a Python object of every token; the token path checks what their format does not guarantee."""
+    if isinstance(record, TrajectoryRecord):
+        return record, record.turns
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, dict) and isinstance(t.get("output_ids"), np.ndarray)
+                                                 for t in turns):
+        return TrajectoryRecord.model_validate({k: v for k, v in record.items() if k != "turns"}), turns
+    rec = TrajectoryRecord.model_validate(record)
+    return rec, rec.turns
 
 
 def build_group_samples(

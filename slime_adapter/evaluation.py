@@ -177,7 +177,7 @@ async def _collect_run(settings: AgentRolloutSettings, run_id: str) -> tuple[lis
         try:
             wait_s = 0.0 if over else min(POLL_WAIT_S, long_poll_wait_s(settings.fetch_timeout_s))
             got, meta, _ = await fetch_rollout_data(settings.buffer_url, None, settings.fetch_timeout_s,
-                                                    run_id=run_id, wait_s=wait_s)
+                                                    run_id=run_id, wait_s=wait_s, read_format=settings.read_format)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             failures += 1
             if 0 <= settings.fetch_retry_times < failures:

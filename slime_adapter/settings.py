@@ -14,7 +14,8 @@ from typing import Any
 from slime_adapter.auth import remember_token, token_from
 from slime_adapter.loss_mask import VERIFY_MODES as LOSS_MASK_VERIFY_MODES
 
-__all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "FORK_POLICIES", "LOSS_MASK_VERIFY_MODES", "AgentRolloutSettings"]
+__all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "FORK_POLICIES", "LOSS_MASK_VERIFY_MODES", "READ_FORMATS",
+           "READ_FORMAT_ENV", "AgentRolloutSettings"]
 
 DEFAULT_BUFFER_URL = "http://127.0.0.1:8889"
 # slime's own agent rollout sent 3 epochs when `--num-epoch` was unset; a single pass can starve a trainer
@@ -25,6 +26,9 @@ FORK_POLICIES: tuple[str, ...] = ("last", "all")
 # what the buffer does with a group staler than `max_staleness` (rollout_buffer.run_policy)
 STALE_POLICIES: tuple[str, ...] = ("requeue", "drop", "keep")
 # how the message path checks its tokens against the chat template: LOSS_MASK_VERIFY_MODES, from loss_mask
+# the answer form reads ask for: the packed binary form (numpy arrays) or JSON (for debugging)
+READ_FORMATS: tuple[str, ...] = ("packed", "json")
+READ_FORMAT_ENV = "ROLLOUT_BUFFER_READ_FORMAT"
 
 
 def _get(args: Any, name: str, default: Any) -> Any:
@@ -151,6 +155,10 @@ class AgentRolloutSettings:
     - `group_filter` (`agent_group_filter`): None. "nonzero_std" (DAPO's dynamic sampling) or a dotted path
       to an `is_valid_group` function importable by the buffer; dropped groups are replaced by the buffer,
       so steps stay full, and counted as `rollout/dynamic_filter/drop_<reason>`.
+    - `read_format` (`agent_read_format`, else env `ROLLOUT_BUFFER_READ_FORMAT`): "packed". Reads ask for
+      the buffer's packed binary answer: token ids and logprobs arrive as numpy arrays and samples are built
+      from them without a Python object per token. "json" asks for plain JSON (to look at the wire while
+      debugging); the samples are the same. A buffer without the packed form answers JSON either way.
     """
 
     buffer_url: str = DEFAULT_BUFFER_URL
@@ -194,6 +202,7 @@ class AgentRolloutSettings:
     stale_policy: str | None = None
     group_filter: str | None = None
     buffer_token: str | None = field(default=None, repr=False)
+    read_format: str = "packed"
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -250,6 +259,8 @@ class AgentRolloutSettings:
             stale_policy=_get(args, "agent_stale_policy", None),
             group_filter=_get(args, "agent_group_filter", None),
             buffer_token=token_from(args),
+            read_format=str(_get(args, "agent_read_format", None) or os.environ.get(READ_FORMAT_ENV) or "packed")
+            .strip().lower(),
         )
         settings.check()
         remember_token(settings.buffer_url, settings.buffer_token)
@@ -279,6 +290,9 @@ class AgentRolloutSettings:
             raise ValueError(f"agent_max_staleness must be >= 0, got {self.max_staleness}")
         if self.stale_policy is not None and self.stale_policy not in STALE_POLICIES:
             raise ValueError(f"agent_stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+        if self.read_format not in READ_FORMATS:
+            raise ValueError(f"agent_read_format ({READ_FORMAT_ENV}) must be one of {READ_FORMATS}, "
+                             f"got {self.read_format!r}")
         if self.loss_mask_verify not in LOSS_MASK_VERIFY_MODES:
             raise ValueError(f"agent_loss_mask_verify must be one of {LOSS_MASK_VERIFY_MODES}, "
                              f"got {self.loss_mask_verify!r}")

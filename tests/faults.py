@@ -26,6 +26,7 @@ class DroppingProxy:
     drop: set[int]
     data_answers: int = 0
     dropped: int = 0
+    content_types: set[str] = field(default_factory=set)  # of the data-carrying answers
     _session: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
@@ -42,14 +43,16 @@ class DroppingProxy:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
         body = await request.read()
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json"),
+                   "Accept": request.headers.get("Accept", "*/*")}  # the adapter's reads ask for the packed form
         async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
-                                         headers={"Content-Type": request.headers.get("Content-Type",
-                                                                                      "application/json")}) as up:
+                                         headers=headers) as up:
             payload = await up.read()
             status, content_type = up.status, up.headers.get("Content-Type", "application/json")
         cut = False
         if request.path == "/get_rollout_data" and status == 200 and b'"success":true' in payload:
             self.data_answers += 1
+            self.content_types.add(content_type.split(";")[0])
             cut = self.data_answers in self.drop
         if not cut:
             return web.Response(body=payload, status=status, content_type=content_type.split(";")[0])

@@ -72,6 +72,7 @@ def test_a_trainer_that_loses_answers_and_crashes_trains_every_group_once(
         for step in range(3, steps):
             lineage += _trained(generate_rollout(args, step, buffer))
         assert proxy.dropped == 3, "and one after the resume"
+        assert proxy.content_types == {"application/x-rollout-buffer-packed"}, "the adapter reads the packed form"
         everything = {(e, r["instance_id"]) for e in range(epochs) for r in rows}
         assert Counter(lineage) == Counter(everything), "every (epoch, instance) group trained exactly once"
         with httpx.Client(base_url=server.url, timeout=30) as client:

@@ -1,5 +1,10 @@
 """Read routes: hand ready groups to the trainer (slime's `/get_rollout_data`) and acknowledge leased
-batches (`/ack`)."""
+batches (`/ack`).
+
+`/get_rollout_data` answers JSON, or the packed binary form (`rollout_buffer.packed_read`) to a client
+whose Accept header prefers it; both come from the same read, only the serialization differs. The answer is
+returned as a finished `Response`, so FastAPI never walks the records (its `jsonable_encoder` would visit
+every token id in Python)."""
 
 from __future__ import annotations
 
@@ -7,11 +12,14 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 from rollout_buffer import handover
 from rollout_buffer.app_state import AppState, state_of
 from rollout_buffer.http_errors import error_response
-from rollout_buffer.reads import empty, read_rollout_data
+from rollout_buffer.packed_read import CONTENT_TYPE, StoredArrays, encode_answer, wants_packed
+from rollout_buffer.reads import empty, read_answer
+from rollout_buffer.responses import OrjsonResponse
 from rollout_buffer.routes.writes import superseded_answer
 from rollout_buffer.schema import AckRequest, GetRolloutDataRequest
 
@@ -39,17 +47,30 @@ async def _ack(state: AppState, run_id: str, batch_ids: list[str]) -> list[dict[
     return results
 
 
-@router.post("/get_rollout_data")
+def _answer(request: Request, body: dict[str, Any], stored: dict[str, StoredArrays] | None = None) -> Response:
+    """The answer in the form the client's Accept header prefers (JSON unless it asks for packed)."""
+    headers = {"Vary": "Accept"}
+    if wants_packed(request.headers.get("accept")):
+        return Response(encode_answer(body, stored), media_type=CONTENT_TYPE, headers=headers)
+    return OrjsonResponse(body, headers=headers)
+
+
+@router.post("/get_rollout_data", responses={200: {
+    "description": "The read's groups: JSON, or the packed binary form (`rollout_buffer.packed_read`) to a client "
+                   f"whose Accept header prefers `{CONTENT_TYPE}`",
+    "content": {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
 async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None = None) -> Any:
     """Hand over ready groups, whole and in completion order; `num` caps the sample count. With `lease_s`
     the batch is leased until acknowledged (`ack` in a later read, or `POST /ack`); the same `batch_id`
     read again returns the same batch. `policy_version` (the trainer's) becomes the run's; groups staler
-    than the run's `max_staleness` are dropped or rolled out again instead of handed over."""
+    than the run's `max_staleness` are dropped or rolled out again instead of handed over. With
+    `Accept: application/x-rollout-buffer-packed` the answer comes in the packed binary form
+    (`rollout_buffer.packed_read`); errors stay JSON."""
     state = state_of(request)
     body = body or GetRolloutDataRequest()
     run_id, meta, error = await _resolve_run(state, body.run_id)
     if run_id is None:
-        return empty("no active run")
+        return _answer(request, empty("no active run"))
     if error is not None:
         return error
     acks = await _ack(state, run_id, body.ack) if body.ack else []
@@ -59,12 +80,12 @@ async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None 
     # must not be undone by the default size check; `min_valid_group_size` in /start_rollout raises it.
     min_valid = int(config.get("min_valid_group_size") or 1)
     batch_id = body.batch_id or (uuid.uuid4().hex if body.lease_s else "")
-    answer = await read_rollout_data(state.store, run_id, task, num=body.num, wait_s=body.wait_s,
-                                     min_valid_group_size=min_valid, lease_s=body.lease_s or 0.0,
-                                     batch_id=batch_id, policy_version=body.policy_version, run_meta=meta)
+    answer = await read_answer(state.store, run_id, task, num=body.num, wait_s=body.wait_s,
+                               min_valid_group_size=min_valid, lease_s=body.lease_s or 0.0,
+                               batch_id=batch_id, policy_version=body.policy_version, run_meta=meta)
     if acks:
-        answer["data"]["meta_info"]["acks"] = acks
-    return answer
+        answer.body["data"]["meta_info"]["acks"] = acks
+    return _answer(request, answer.body, answer.stored)
 
 
 @router.post("/ack")
