@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -16,7 +17,18 @@ import redis
 from tests.helpers import ServerProcess
 from tests.redis_cluster import LocalRedisCluster
 
-EXTERNAL_URL = os.environ.get("REDIS_URL")
+
+
+def _own_database(url: str | None) -> str | None:
+    """Under pytest-xdist each worker process takes a database of its own (its number) on the external
+    Redis, so key-count checks see only their own worker's keys."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not url or not worker.startswith("gw"):
+        return url
+    return urlunsplit(urlsplit(url)._replace(path=f"/{int(worker[2:])}"))
+
+
+EXTERNAL_URL = _own_database(os.environ.get("REDIS_URL"))
 # The Redis-facing tests run on each of these (a fixture parameter).
 BACKENDS = ["embedded", *(["external"] if EXTERNAL_URL else []), "cluster"]
 # Slow end-to-end tests run on the embedded Redis and the cluster only (the external single Redis is the
