@@ -48,6 +48,13 @@ def shortfall(row: Row) -> str:
 
 HTTP_BOUND = ("a 2-core machine runs the load generator, the server and Redis; per write the server parses ~7,500 "
               "numbers (every turn's ids, logprobs), packs them, makes a Redis round trip (profile: bench/README.md)")
+BATCH_BOUND = ("batching saves only per-request costs (HTTP stack and event loop, ~40% of a single write in the "
+               "py-spy profile: a 1.67x ceiling); the per-number parse, packing and the load generator's CPU stay")
+PACKED_BOUND = ("the writer's packing time is counted on the same 2 cores the server uses; the server still checks "
+                "every array and writes it to Redis")
+TEMPLATE_BOUND = ("half our time is the chat template's Jinja render of the conversation (json.dumps of the tools and "
+                  "tool-call arguments included) and the rest one tokenization; slime's per-message algorithm is "
+                  "already linear, so only skipping the template goes faster: the token path")
 
 
 def _rows(name: str, r: dict[str, Any]) -> list[Row]:
@@ -62,10 +69,10 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
                 r["read_only_ratio"] >= 0.35, HTTP_BOUND),
             Row(f"JSON batch ingest ({r['batch_size']}/request)", f"{r['json_batch_records_per_s']:.0f} rec/s",
                 f"{r['write_records_per_s']:.0f} rec/s single JSON", r["json_batch_ratio"], ">= 1.5x",
-                r["json_batch_ratio"] >= 1.5),
+                r["json_batch_ratio"] >= 1.5, BATCH_BOUND),
             Row("packed batch ingest, packing included", f"{r['batch_records_per_s']:.0f} rec/s",
                 f"{r['json_batch_records_per_s']:.0f} rec/s JSON batch", r["packed_vs_json_batch"], ">= 2x",
-                r["packed_vs_json_batch"] >= 2),
+                r["packed_vs_json_batch"] >= 2, PACKED_BOUND),
         ]
     if name == "read_latency":
         return [Row("read 128 groups x 8", f"{r['many']['median_s'] * 1000:.1f} ms, {r['many']['pending_groups']} pending",
@@ -98,7 +105,7 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
         return [
             Row("sample building, message path", f"{r['message_per_s']:.0f} samples/s",
                 f"{r['per_message_baseline_per_s']:.0f} samples/s slime per-message", r["message_ratio"],
-                ">= 2x, identical tokens", r["message_ratio"] >= 2 and bool(r["identical_tokens"])),
+                ">= 2x, identical tokens", r["message_ratio"] >= 2 and bool(r["identical_tokens"]), TEMPLATE_BOUND),
             Row("  same, block cache off", f"{r['message_no_cache_per_s']:.0f} samples/s",
                 f"{r['per_message_baseline_per_s']:.0f} samples/s slime per-message", r["message_no_cache_ratio"],
                 ">= 1x", r["message_no_cache_ratio"] >= 1),

@@ -18,7 +18,6 @@ from tests.helpers import ServerProcess
 from tests.redis_cluster import LocalRedisCluster
 
 
-
 def _own_database(url: str | None) -> str | None:
     """Under pytest-xdist each worker process takes a database of its own (its number) on the external
     Redis, so key-count checks see only their own worker's keys."""
