@@ -1,4 +1,4 @@
-"""Ingest: `/buffer/write` records/s with realistic records (~48 KB of JSON each) and 64 concurrent clients,
+"""Ingest: `/buffer/write` records/s with realistic records (~77 KB of JSON each) and 64 concurrent clients,
 against two baselines on the same server stack: an endpoint that parses the same body and stores nothing
 (`/_bench/parse_only`), and one that only reads the body (`/_bench/read_only`, the HTTP limit). Then the
 batched writes, each against its like-for-like alternative: `/buffer/write_batch` (JSON) against single

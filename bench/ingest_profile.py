@@ -1,5 +1,5 @@
 """Where an ingest write's time goes: the ingest benchmark's `/buffer/write` load (64 clients, realistic
-~48 KB records) against one server, sampled by py-spy, and the server's samples sorted into parts.
+~77 KB records) against one server, sampled by py-spy, and the server's samples sorted into parts.
 
     py-spy record --subprocesses --format raw -r 200 -o ingest.txt -- python -m bench.ingest_profile
     python -m bench.ingest_profile --fold ingest.txt
