@@ -8,6 +8,7 @@ noise that every process (and the demo) would print first; it is dropped, and on
 from __future__ import annotations
 
 import logging
+import re
 
 TORCH_NOTICE = "PyTorch was not found."
 
@@ -26,6 +27,27 @@ def hide_torch_notice() -> None:
     logger = logging.getLogger("transformers")
     if not any(isinstance(f, _DropTorchNotice) for f in logger.filters):
         logger.addFilter(_DropTorchNotice())
+
+
+_QUERY_TOKEN = re.compile(r"([?&]token=)[^&\s]*")
+
+
+class _RedactQueryToken(logging.Filter):
+    """Replaces the value of a `token` query parameter (the dashboard's `/?token=`) in uvicorn's access log
+    lines, so the secret never reaches a log file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_QUERY_TOKEN.sub(r"\1<redacted>", a) if isinstance(a, str) else a
+                                for a in record.args)
+        return True
+
+
+def redact_query_tokens() -> None:
+    """Install the redaction on uvicorn's access logger; calling it again adds nothing."""
+    logger = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _RedactQueryToken) for f in logger.filters):
+        logger.addFilter(_RedactQueryToken())
 
 
 def configure_logging(level: str) -> None:

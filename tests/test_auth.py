@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,16 @@ def test_status_sends_the_token_from_the_environment(server: ServerProcess, tmp_
                               text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert "rollout-buffer v" in done.stdout and server.url in done.stdout
+
+
+def test_the_token_in_a_dashboard_url_stays_out_of_the_access_log(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "data", "--log-level", "info", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN}) as proc:
+        answer = httpx.get(f"{proc.url}/", params={"run": "r1", "token": TOKEN}, follow_redirects=False, timeout=10)
+        assert answer.status_code == 303
+        httpx.get(f"{proc.url}/runs", params={"token": "wrong-guess"}, timeout=10)
+        deadline = time.monotonic() + 10
+        while "token=<redacted>" not in proc.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = proc.log_path.read_text()
+    assert '"GET /?run=r1&token=<redacted> HTTP/1.1" 303' in log, log[-2000:]
+    assert "/runs?token=<redacted>" in log and TOKEN not in log and "wrong-guess" not in log
