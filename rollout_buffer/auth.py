@@ -110,8 +110,8 @@ def cookie_value(header: bytes | None, name: str = COOKIE) -> bytes | None:
 
 
 class BearerAuth:
-    """ASGI middleware: 401 for every request without the token, except `OPEN_PATHS` and a valid
-    capability write (see the module docstring)."""
+    """ASGI middleware: 401 for every request without the token, except `OPEN_PATHS`, a valid capability
+    write, and GET/HEAD requests with the dashboard cookie or `?token=` (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
