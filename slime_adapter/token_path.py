@@ -111,21 +111,7 @@ class _PieceBuilder:
         self.finish_reason = turn.finish_reason
 
     def finish(self) -> TokenPiece:
-        response_length = len(self.tokens) - self.prompt_length
-        log_probs = self.log_probs if self.has_log_probs else None
-        assert len(self.loss_mask) == response_length, "loss_mask length != response_length"
-        assert log_probs is None or len(log_probs) == response_length, "rollout_log_probs length != response_length"
-        return TokenPiece(
-            tokens=self.tokens,
-            prompt_length=self.prompt_length,
-            loss_mask=self.loss_mask,
-            rollout_log_probs=log_probs,
-            first_turn=self.first_turn,
-            last_turn=self.last_turn,
-            weight_versions=self.weight_versions,
-            finish_reason=self.finish_reason,
-            offpolicy_masked=self.offpolicy_masked,
-        )
+        return _piece(self, self.tokens, self.loss_mask, self.log_probs if self.has_log_probs else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,23 +186,29 @@ class _ArrayPieceBuilder:
 
     def finish(self) -> TokenPiece:
         """The piece, converted to slime's lists once, here."""
-        response_length = self.length - self.prompt_length
         tokens = np.concatenate(self.tokens).tolist()
         mask = np.concatenate(self.mask).tolist() if self.mask else []
         log_probs = (np.concatenate(self.log_probs).tolist() if self.log_probs else []) if self.has_log_probs else None
-        assert len(mask) == response_length, "loss_mask length != response_length"
-        assert log_probs is None or len(log_probs) == response_length, "rollout_log_probs length != response_length"
-        return TokenPiece(
-            tokens=tokens,
-            prompt_length=self.prompt_length,
-            loss_mask=mask,
-            rollout_log_probs=log_probs,
-            first_turn=self.first_turn,
-            last_turn=self.last_turn,
-            weight_versions=self.weight_versions,
-            finish_reason=self.finish_reason,
-            offpolicy_masked=self.offpolicy_masked,
-        )
+        return _piece(self, tokens, mask, log_probs)
+
+
+def _piece(builder: _PieceBuilder | _ArrayPieceBuilder, tokens: list[int], loss_mask: list[int],
+           log_probs: list[float] | None) -> TokenPiece:
+    """The finished piece of either builder; its mask and logprobs cover exactly the response."""
+    response_length = len(tokens) - builder.prompt_length
+    assert len(loss_mask) == response_length, "loss_mask length != response_length"
+    assert log_probs is None or len(log_probs) == response_length, "rollout_log_probs length != response_length"
+    return TokenPiece(
+        tokens=tokens,
+        prompt_length=builder.prompt_length,
+        loss_mask=loss_mask,
+        rollout_log_probs=log_probs,
+        first_turn=builder.first_turn,
+        last_turn=builder.last_turn,
+        weight_versions=builder.weight_versions,
+        finish_reason=builder.finish_reason,
+        offpolicy_masked=builder.offpolicy_masked,
+    )
 
 
 def _as_turn(turn: Turn | dict[str, Any]) -> Turn:
