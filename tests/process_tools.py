@@ -48,7 +48,8 @@ def worker_children(pid: int) -> list[int]:
     return children(pid, WORKER_MARK)
 
 
-def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.05):  # type: ignore[no-untyped-def]
+def wait_for(condition, timeout_s: float = 15.0, what: str = "condition",  # type: ignore[no-untyped-def]
+             every_s: float = 0.05):
     """Poll `condition()` until it returns something truthy (returned), or fail naming `what`."""
     deadline = time.monotonic() + timeout_s
     while True:

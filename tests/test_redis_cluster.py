@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from rollout_buffer.redis_client import BoundedRedisCluster, ClusterUnavailableE
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
 from tests.helpers import ServerProcess, make_record, start_run, write_jsonl
+from tests.process_tools import wait_for
 from tests.redis_cluster import LocalRedis, LocalRedisCluster
 
 TASKS = str(Path(__file__).parent / "tasks")
@@ -311,13 +311,6 @@ def test_every_script_touches_only_keys_it_declares() -> None:
 
 # ----- a node going away ----------------------------------------------------------------------------------
 
-def _eventually(check: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
-        time.sleep(0.1)
-    return value
-
 
 async def _callers_see_lost_connections(cluster: LocalRedisCluster, run_id: str) -> None:
     """CLUSTERDOWN reaches callers as a ConnectionError, from commands and from pipelines alike."""
@@ -355,7 +348,7 @@ def test_a_dead_node_answers_503_retry_and_the_buffer_recovers_with_it(tmp_path:
         down = client.post("/buffer/write", json=make_record("i1", run_id=run_id))
         assert down.status_code == 503 and "redis unavailable; retry" in down.json()["message"], down.text
         assert client.get("/health").status_code == 503, "a primary that does not answer makes the buffer unhealthy"
-        _eventually(lambda: cluster.state(0) == cluster.state(2) == "fail", 20, "the cluster marked failed")
+        wait_for(lambda: cluster.state(0) == cluster.state(2) == "fail", 20, "the cluster marked failed")
         answers = [client.post("/get_rollout_data", json={"run_id": elsewhere}),  # live nodes say CLUSTERDOWN
                    client.post("/buffer/write", json=make_record("i1", run_id=elsewhere))]
         for answer in answers:
@@ -363,7 +356,7 @@ def test_a_dead_node_answers_503_retry_and_the_buffer_recovers_with_it(tmp_path:
         asyncio.run(_callers_see_lost_connections(cluster, elsewhere))
 
         cluster.restart(1)
-        _eventually(lambda: client.get("/health").status_code == 200, 30, "the buffer healthy again")
+        wait_for(lambda: client.get("/health").status_code == 200, 30, "the buffer healthy again")
         retried = client.post("/buffer/write", json=make_record("i1", run_id=run_id))
         assert retried.status_code == 200 and retried.json()["success"], retried.text
         read = client.post("/get_rollout_data", json={"run_id": run_id}).json()

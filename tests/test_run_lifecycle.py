@@ -13,6 +13,7 @@ import pytest
 
 from tests.backends import CLUSTER_BACKENDS, Backend, backend
 from tests.helpers import ServerProcess, make_record, start_run, write_jsonl
+from tests.process_tools import wait_for
 from tests.runtime_helpers import arithmetic_rows, run_detail, start_native, write_rows
 
 TASKS = str(Path(__file__).parent / "tasks")
@@ -22,15 +23,6 @@ TASKS = str(Path(__file__).parent / "tasks")
 def redis_backend(request: pytest.FixtureRequest) -> Backend:
     return backend(request)
 
-
-def _eventually(check: Any, timeout_s: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
-        time.sleep(0.1)
 
 
 def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, rollout_engine: Any,
@@ -42,7 +34,7 @@ def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, ro
         rollout_engine.configure(latency_s=0.0)
         warm = start_native(client, rows, engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path,
                             repeats=1)
-        _eventually(lambda: run_detail(client, warm)["meta"]["status"] == "finished", what="warm-up run finished")
+        wait_for(lambda: run_detail(client, warm)["meta"]["status"] == "finished", what="warm-up run finished")
         assert client.delete(f"/runs/{warm}").json()["success"]
         baseline = sorted(redis_backend.keys(server))
         assert not [k for k in baseline if b"{" in k], f"keys of the deleted run remain: {baseline}"
@@ -50,7 +42,7 @@ def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, ro
         try:
             run_id = start_native(client, rows, engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path,
                                   repeats=2, epochs=3, num_process=4)
-            _eventually(lambda: run_detail(client, run_id)["groups"]["completed"] >= 2, what="two groups")
+            wait_for(lambda: run_detail(client, run_id)["groups"]["completed"] >= 2, what="two groups")
             leased = client.post("/get_rollout_data", json={"run_id": run_id, "lease_s": 600}).json()
             assert leased["success"]
             detail = run_detail(client, run_id)
@@ -74,7 +66,7 @@ def test_a_superseded_runs_workers_stop(tmp_path: Path, rollout_engine: Any, qwe
         try:
             run_id = start_native(client, rows, engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path,
                                   repeats=1, epochs=4, num_process=4)
-            _eventually(lambda: run_detail(client, run_id)["groups"]["ready"] >= 1, what="a ready group")
+            wait_for(lambda: run_detail(client, run_id)["groups"]["ready"] >= 1, what="a ready group")
             handed = client.post("/get_rollout_data", json={"run_id": run_id, "num": 1}).json()
             assert handed["data"]["meta_info"]["finished_group_keys"]
             config = run_detail(client, run_id)["config"]
@@ -83,13 +75,13 @@ def test_a_superseded_runs_workers_stop(tmp_path: Path, rollout_engine: Any, qwe
                                                "num_process", "run_id")}
             successor = client.post("/start_rollout", json={**restart, "skip_groups": []}).json()["run_id"]
             assert successor == f"{run_id}.r1", "the trainer without a checkpoint lost the handed-over group"
-            _eventually(lambda: run_detail(client, run_id)["tasks"]["running"] == 0, 10.0,
-                        "the superseded run's rollouts stopped")
+            wait_for(lambda: run_detail(client, run_id)["tasks"]["running"] == 0, 10.0,
+                     "the superseded run's rollouts stopped")
             written = run_detail(client, run_id)["records"]["written"]
             time.sleep(1.5)
             assert run_detail(client, run_id)["records"]["written"] == written, "nothing more is written to it"
             assert run_detail(client, run_id)["meta"]["status"] == "superseded"
-            _eventually(lambda: run_detail(client, successor)["records"]["written"] > 0, what="successor runs")
+            wait_for(lambda: run_detail(client, successor)["records"]["written"] > 0, what="successor runs")
         finally:
             rollout_engine.configure(latency_s=0.0)
 
@@ -114,7 +106,7 @@ def test_retention_deletes_retired_runs_only(tmp_path: Path, redis_backend: Back
         assert set(client.get("/runs").json()["runs"]) == {"unread", "newest"}
         client.post("/get_rollout_data", json={"run_id": unread})
         client.post("/get_rollout_data", json={"run_id": newest})
-        _eventually(lambda: client.get("/runs").json()["runs"] == [], 10.0, "drained runs deleted after the TTL")
+        wait_for(lambda: client.get("/runs").json()["runs"] == [], 10.0, "drained runs deleted after the TTL")
 
 
 def test_group_timeouts_reach_runs_that_are_not_active(tmp_path: Path, redis_backend: Backend) -> None:
@@ -126,5 +118,5 @@ def test_group_timeouts_reach_runs_that_are_not_active(tmp_path: Path, redis_bac
         client.post("/buffer/write", json=make_record("i0", run_id=first))
         start_run(client, input_file, task_type="external", repeats=2, run_id="second")
         assert client.get("/runs").json()["active_run"] == "second"
-        _eventually(lambda: run_detail(client, first)["drops"].get("group_timeout") == 1, 10.0,
-                    "the inactive run's incomplete group timed out")
+        wait_for(lambda: run_detail(client, first)["drops"].get("group_timeout") == 1, 10.0,
+                 "the inactive run's incomplete group timed out")
