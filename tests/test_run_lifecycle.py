@@ -24,7 +24,6 @@ def redis_backend(request: pytest.FixtureRequest) -> Backend:
     return backend(request)
 
 
-
 def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, rollout_engine: Any,
                                                                qwen_tokenizer_path: str,
                                                                redis_backend: Backend) -> None:
