@@ -24,11 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.generation.modes import GenerationMode
 
+from rollout_buffer import keys
 from rollout_buffer.api import create_app
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.packed_batch import CONTENT_TYPE
 from rollout_buffer.settings import Settings
 from tests.helpers import REPO, ServerProcess, write_jsonl
+from tests.process_tools import wait_for
 
 EXAMPLES = 200
 ANONYMOUS_EXAMPLES = 30
@@ -77,13 +79,17 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     client = redis.Redis.from_url(url)
     try:
         with ServerProcess(base / "data", "--redis-url", url, "--task-dir", TASKS, "--allow-url",
-                           "http://127.0.0.1:9/nowhere", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN}) as server:
+                           "http://127.0.0.1:9/nowhere",
+                           env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN, "ROLLOUT_BUFFER_TIMELINE_INTERVAL_S": "0.2"}) as server:
             rows = [{"instance_id": f"f{i}", "prompt": f"p{i}"} for i in range(3)]
             run_id = f"fuzz-target-{uuid.uuid4().hex}"
             started = requests.post(f"{server.url}/start_rollout", timeout=30, headers=auth(), json={
                 "task_type": "external", "input_file": str(write_jsonl(base / "in.jsonl", rows)), "run_id": run_id,
                 "num_repeat_per_sample": 4096})  # groups never complete: nothing moves in the background
             assert started.status_code == 200, started.text
+            # the upkeep loop's first throughput sample creates the run's timeline key; later samples only
+            # append to it, so from then on the key count moves only with what requests store
+            wait_for(lambda: client.exists(keys.timeline(run_id)), 30, "the run's first timeline sample")
             yield Fuzzed(server, client, run_id)
     finally:
         client.close()
