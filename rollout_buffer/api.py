@@ -21,6 +21,7 @@ from rollout_buffer.app_state import AppState
 from rollout_buffer.auth import BearerAuth
 from rollout_buffer.bodies import install_openapi
 from rollout_buffer.embedded_redis import EmbeddedRedis
+from rollout_buffer.gateway import app as gateway
 from rollout_buffer.http_errors import BodySizeLimit, install_error_handlers
 from rollout_buffer.logs import redact_query_tokens
 from rollout_buffer.maintenance import maintain, supervise_embedded
@@ -84,7 +85,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         app.state.buffer = state
         app.state.remote = RemoteService(store, registry, settings, metrics=metrics)
         await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
-        upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep")]
+        upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep"),
+                  gateway.start(app, store, settings)]
         if embedded is not None and embedded.owner:
             upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
         tune_gc()
@@ -96,6 +98,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
             for task in upkeep:
                 task.cancel()
             await app.state.remote.stop()
+            await gateway.stop(app)
             await state.runtime.shutdown()
             await store.close()
             if embedded is not None:
@@ -110,6 +113,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     install_dashboard(app)
     for router in (runs.router, writes.router, reads.router, policy.router, ops.router, remote_router):
         app.include_router(router)
+    gateway.include_routers(app)
     if settings.bench_routes:
         app.include_router(writes.bench_router)
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs

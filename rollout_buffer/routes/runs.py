@@ -21,6 +21,14 @@ router = APIRouter()
 async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
     """Start a run (or find the same one already running) and launch its rollouts."""
     state = state_of(request)
+    if body.task_type == "external" and (not body.input_file or state.registry.get("external") is None):
+        try:  # the agent gateway's run: sessions come from clients (rollout_buffer.gateway)
+            run_id, created = await request.app.state.gateway.start_run(body)
+        except StartRolloutError as exc:
+            return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
+        verb = "started" if created else "already exists"
+        return {"message": f"external run {run_id} {verb}", "run_id": run_id, "created": created,
+                "skipped_instance_ids": 0, "skipped_groups": 0}
     if not body.remote_buffer_url:  # legacy task modules write back to us; tell them where
         body.remote_buffer_url = str(request.base_url).rstrip("/")
     try:

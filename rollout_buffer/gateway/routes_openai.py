@@ -1,0 +1,42 @@
+"""OpenAI routes: `POST /v1/chat/completions` (plain and streamed) and `GET /v1/models`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout_buffer.gateway import wire_openai
+from rollout_buffer.gateway.errors import GatewayError, error_response, open_session
+from rollout_buffer.gateway.serving import answer_turn, sse
+from rollout_buffer.gateway.wire_common import json_object
+from rollout_buffer.responses import OrjsonResponse
+
+router = APIRouter(tags=["gateway"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    try:
+        opened = await open_session(request)
+        chat = wire_openai.read_request(json_object(await request.body()))
+        answer = await answer_turn(opened, chat.messages, chat.tools, chat.params)
+    except GatewayError as exc:
+        return error_response("openai", exc)
+    model = chat.model or opened.ctx.model
+    sid = opened.session.session_id
+    if not chat.stream:
+        return OrjsonResponse(wire_openai.completion(answer, sid, model))
+    events = [(None, c) for c in wire_openai.chunks(answer, sid, model, chat.include_usage)]
+    return sse([*events, (None, "[DONE]")], request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Any:
+    """The policy this session's run serves."""
+    try:
+        opened = await open_session(request, require_open=False)
+    except GatewayError as exc:
+        return error_response("openai", exc)
+    return {"object": "list", "data": [{"id": opened.ctx.model, "object": "model",
+                                        "created": int(opened.session.created_at), "owned_by": "rollout-buffer"}]}

@@ -1,0 +1,109 @@
+"""Session routes: create a session of an external run, finish it into its record."""
+
+from __future__ import annotations
+
+import hmac
+import math
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout_buffer.bodies import json_body, parse_body_with
+from rollout_buffer.gateway import keys_auth
+from rollout_buffer.gateway.errors import gateway_of
+from rollout_buffer.gateway.records import finish_session
+from rollout_buffer.http_errors import error_response
+from rollout_buffer.schema import RecordStatus
+
+router = APIRouter(tags=["gateway"])
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=512)
+    epoch: int | None = Field(default=None, ge=0, le=1_000_000)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("instance_id", mode="before")
+    @classmethod
+    def _id_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class FinishSession(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    reward: float
+    status: RecordStatus = "completed"
+    extra_info: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+def base_url(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+@router.post("/runs/{run_id}/sessions")
+async def create_session(run_id: str, body: CreateSession, request: Request) -> Any:
+    """Open a session of an external run: its API key opens the model endpoints for this session only."""
+    gw = gateway_of(request)
+    ctx = await gw.context(run_id)
+    if ctx is None:
+        if not await gw.store.run_exists(run_id):
+            return error_response(404, f"unknown run_id {run_id!r}")
+        return error_response(409, f"run {run_id!r} is not an external run (task_type 'external', no input_file)")
+    status = await gw.store.run_status(run_id)
+    if status != "running":
+        return error_response(409, f"run {run_id!r} is {status}: it takes no new sessions")
+    session_id = keys_auth.new_session_id(run_id)
+    api_key, digest = keys_auth.new_key(session_id)
+    session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
+                                       group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
+    await gw.store.incr_stat(run_id, "gateway_sessions_created")
+    base = base_url(request)
+    return {"session_id": session_id, "api_key": api_key, "openai_base_url": f"{base}/v1",
+            "anthropic_base_url": base, "expires_at": session.created_at + gw.settings.session_timeout_s,
+            "instance_id": session.instance_id, "epoch": session.epoch, "model": ctx.model}
+
+
+def _finish_allowed(request: Request, session_digest: str) -> bool:
+    """The session's own key, or the server token (or no token configured: the server is open)."""
+    token = request.app.state.buffer.settings.resolved_auth_token()
+    given = keys_auth.key_from_headers(request.headers.get("authorization"), request.headers.get("x-api-key"))
+    if given is not None:
+        parsed = keys_auth.parse_key(given)
+        if parsed is not None and keys_auth.key_matches(parsed[1], session_digest):
+            return True
+        if token is not None and hmac.compare_digest(given.encode(), token.encode()):
+            return True
+    return token is None and given is None
+
+
+@router.post("/sessions/{session_id}/finish", openapi_extra=json_body(FinishSession))
+async def finish(session_id: str, request: Request) -> Any:
+    """Turn the session into its record (reward, status); a group completes when `num_repeat_per_sample`
+    sessions of its instance finished. Finishing again stores nothing twice."""
+    gw = gateway_of(request)
+    run_id = keys_auth.run_of(session_id)
+    session = await gw.sessions.get(run_id, session_id) if run_id else None
+    if session is None:
+        return error_response(404, f"unknown session {session_id!r}")
+    if not _finish_allowed(request, session.key_digest):
+        return error_response(401, "finishing a session needs its api_key or the server token")
+    body = await parse_body_with(request, FinishSession.model_validate_json)  # after the key: 401 first
+    outcome = await finish_session(gw, session, reward=body.reward, status=body.status, extra_info=body.extra_info)
+    if outcome.outcome == "dropped":
+        return error_response(409, f"session {session_id} not stored: {outcome.reason.replace('_', ' ')}",
+                              extra={"outcome": outcome.outcome, "reason": outcome.reason})
+    return {"success": True, "session_id": session_id, "uid": session_id, "outcome": outcome.outcome,
+            "group_completed": outcome.outcome == "completed", "instance_id": session.instance_id,
+            "epoch": session.epoch,
+            "message": "already finished (stored once)" if outcome.outcome == "duplicate" else "stored"}

@@ -1,0 +1,140 @@
+"""Gateway sessions in Redis: created, turned, finished; nothing of a session lives in one process.
+
+Every key is a run key (`rollout_buffer.keys`: `sessions`, `session_status`, `session_open`, `session_seq`,
+`session_nodes`, `session_index`), so any API process serves any session, deleting the run deletes its
+sessions, and each pipeline here touches one cluster slot. A turn is stored before its answer is sent,
+so what a client was answered survives any process kill; its index entries make a retry of the same
+request replay it instead of generating a second turn.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from rollout_buffer import keys
+from rollout_buffer.gateway.nodes import Node
+from rollout_buffer.store import Store, text
+
+OPEN = "open"
+
+
+@dataclass
+class Session:
+    """A session's fixed facts (as created) and its status now."""
+
+    session_id: str
+    run_id: str
+    instance_id: str
+    epoch: int
+    key_digest: str
+    created_at: float
+    metadata: dict[str, Any]
+    status: str
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == OPEN
+
+
+def _count_field(session_id: str) -> str:
+    return f"{session_id}|#"
+
+
+def _node_field(session_id: str, index: int) -> str:
+    return f"{session_id}|{index}"
+
+
+class SessionStore:
+    """The sessions of every external run, on the buffer's Redis."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.redis = store.redis
+
+    async def create(self, run_id: str, session_id: str, *, instance_id: str, epoch: int | None, group_size: int,
+                     key_digest: str, metadata: dict[str, Any]) -> Session:
+        """Store a new open session; without `epoch`, the instance's k-th session joins epoch
+        `(k - 1) // group_size`, so sessions fill groups in order."""
+        if epoch is None:
+            seq = int(await self.redis.hincrby(keys.session_seq(run_id), instance_id, 1))
+            epoch = (seq - 1) // group_size
+        now = time.time()
+        session = Session(session_id, run_id, instance_id, epoch, key_digest, now, metadata, OPEN)
+        fields = {"instance_id": instance_id, "epoch": epoch, "key_digest": key_digest, "created_at": now,
+                  "metadata": metadata}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(keys.sessions(run_id), session_id, orjson.dumps(fields))
+        pipe.hset(keys.session_status(run_id), session_id, OPEN)
+        pipe.zadd(keys.session_open(run_id), {session_id: now})
+        await pipe.execute()
+        return session
+
+    async def get(self, run_id: str, session_id: str) -> Session | None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(keys.sessions(run_id), session_id)
+        pipe.hget(keys.session_status(run_id), session_id)
+        raw, status = await pipe.execute()
+        if raw is None:
+            return None
+        fields = orjson.loads(raw)
+        return Session(session_id, run_id, fields["instance_id"], int(fields["epoch"]), fields["key_digest"],
+                       float(fields["created_at"]), fields.get("metadata") or {}, text(status) or "")
+
+    async def lookup(self, run_id: str, session_id: str, kind: str, digests: list[bytes]) -> list[int | None]:
+        """The turns the index names for each digest (`kind` "p": a history ending with that turn's
+        answer; "r": the turn that answered that exact request)."""
+        if not digests:
+            return []
+        fields = [f"{session_id}|{kind}|{d.hex()}" for d in digests]
+        found = await self.redis.hmget(keys.session_index(run_id), fields)
+        return [None if value is None else int(value) for value in found]
+
+    async def turn_count(self, run_id: str, session_id: str) -> int:
+        return int(await self.redis.hget(keys.session_nodes(run_id), _count_field(session_id)) or 0)
+
+    async def nodes(self, run_id: str, session_id: str, indices: list[int]) -> list[Node | None]:
+        if not indices:
+            return []
+        blobs = await self.redis.hmget(keys.session_nodes(run_id), [_node_field(session_id, i) for i in indices])
+        return [None if blob is None else Node.unpack(blob) for blob in blobs]
+
+    async def all_nodes(self, run_id: str, session_id: str) -> list[Node]:
+        """Every stored turn, in the order they were generated."""
+        count = await self.turn_count(run_id, session_id)
+        return [n for n in await self.nodes(run_id, session_id, list(range(count))) if n is not None]
+
+    async def next_index(self, run_id: str, session_id: str) -> int:
+        return int(await self.redis.hincrby(keys.session_nodes(run_id), _count_field(session_id), 1)) - 1
+
+    async def put_turn(self, run_id: str, session_id: str, node: Node, *, history: bytes, request: bytes) -> None:
+        """Store turn `node` and index it by the history through its answer and by its request."""
+        index = keys.session_index(run_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(keys.session_nodes(run_id), _node_field(session_id, node.index), node.pack())
+        pipe.hset(index, f"{session_id}|p|{history.hex()}", node.index)
+        pipe.hset(index, f"{session_id}|r|{request.hex()}", node.index)
+        pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)
+        await pipe.execute()
+
+    async def touch(self, run_id: str, session_id: str) -> None:
+        """The session is in use (its idle clock restarts)."""
+        await self.redis.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)
+
+    async def close(self, run_id: str, session_id: str, status: str) -> None:
+        """Mark a session finished (its record is already written) and stop its idle clock."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(keys.session_status(run_id), session_id, status)
+        pipe.zrem(keys.session_open(run_id), session_id)
+        await pipe.execute()
+
+    async def idle(self, run_id: str, before: float, limit: int = 1000) -> list[str]:
+        """Open sessions whose last activity is older than `before`."""
+        found = await self.redis.zrangebyscore(keys.session_open(run_id), "-inf", before, start=0, num=limit)
+        return [text(s) or "" for s in found]
+
+    async def open_count(self, run_id: str) -> int:
+        return int(await self.redis.zcard(keys.session_open(run_id)))
