@@ -95,3 +95,31 @@ def assert_one_branch(record: dict[str, Any]) -> None:
 
 def read_group(client: httpx.Client, run_id: str, size: int) -> list[dict[str, Any]]:
     return drain(client, run_id, size, timeout_s=30.0)
+
+
+def anthropic_tool_loop(client: Any, questions: list[str], *, stream: bool = False,
+                        event_types: list[list[str]] | None = None) -> list[dict[str, Any]]:
+    """An ordinary Anthropic SDK agent loop (tool_use -> tool_result); returns the messages. With
+    `event_types`, each streamed call's event types are appended to it."""
+    messages: list[dict[str, Any]] = []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        for _ in range(4):
+            kwargs = {"model": "policy", "max_tokens": 200, "system": "You are a careful calculator.",
+                      "messages": messages, "tools": [ANTHROPIC_CALCULATOR]}
+            if stream:
+                with client.messages.stream(**kwargs) as events:
+                    seen = [event.type for event in events]
+                    reply = events.get_final_message()
+                if event_types is not None:
+                    event_types.append(seen)
+            else:
+                reply = client.messages.create(**kwargs)
+            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+            uses = [b for b in reply.content if b.type == "tool_use"]
+            if reply.stop_reason != "tool_use":
+                assert not uses
+                break
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": b.id, "content": calculate(json.dumps(b.input))} for b in uses]})
+    return messages
