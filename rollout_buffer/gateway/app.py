@@ -6,13 +6,13 @@ import asyncio
 
 from fastapi import FastAPI
 
-from rollout_buffer.gateway import routes_anthropic, routes_openai, routes_sessions
+from rollout_buffer.gateway import routes_anthropic, routes_openai, routes_responses, routes_sessions
 from rollout_buffer.gateway.context import Gateway
 from rollout_buffer.gateway.reaper import reap_forever
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
 
-ROUTERS = (routes_sessions.router, routes_openai.router, routes_anthropic.router)
+ROUTERS = (routes_sessions.router, routes_openai.router, routes_anthropic.router, routes_responses.router)
 
 
 def include_routers(app: FastAPI) -> None:
