@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from slime_adapter.build import build_samples
+from slime_adapter.metrics import rollout_metrics
 from tests.gateway_helpers import (
     CALCULATOR,
     assert_turns_are_engine_calls,
@@ -18,7 +19,6 @@ from tests.gateway_helpers import (
     finish,
     new_session,
     openai_tool_loop,
-    read_group,
     start_external,
 )
 from tests.helpers import ServerProcess
@@ -64,8 +64,19 @@ def test_each_history_change_forks_once_per_reason(client: httpx.Client, rollout
     forks = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("gateway_forks:")}
     assert forks == {"edited": 1, "foreign_assistant": 1, "compacted": 1, "tools_changed": 1, "rewind": 1}, stats
     assert stats["gateway_forks"] == 5 and stats["gateway_turns"] == 7
+    detail = client.get("/api/dashboard", params={"run_id": run_id}).json()["run"]["gateway"]
+    assert detail["sessions_open"] == 1 and detail["turns"] == 7 and detail["forks"] == 5
+    assert detail["forks_by_reason"] == forks
+    exposition = client.get("/metrics").text
+    assert f'rollout_buffer_gateway_forks_total{{reason="rewind",run_id="{run_id}"}} 1.0' in exposition
+    assert f'rollout_buffer_gateway_sessions_open{{run_id="{run_id}"}} 1.0' in exposition
     finish(client, session, 1.0)
-    [record] = read_group(client, run_id, 1)
+    answer = client.post("/get_rollout_data", json={"run_id": run_id, "wait_s": 10}).json()
+    [record] = answer["data"]["data"]
+    assert answer["data"]["meta_info"]["gateway_forks"] == forks
+    logged = rollout_metrics([answer["data"]["meta_info"]])
+    assert logged["rollout/gateway_forks"] == 5 and logged["rollout/gateway_forks/compacted"] == 1
+    assert client.get("/api/dashboard", params={"run_id": run_id}).json()["run"]["gateway"]["sessions_open"] == 0
     assert_turns_are_engine_calls(record, engine_calls_of(rollout_engine, session["session_id"]))
     assert record["extra_info"]["gateway_forks"] == 5
     turns = record["turns"]
