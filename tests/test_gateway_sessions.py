@@ -140,3 +140,26 @@ def test_an_idle_session_finishes_as_failed_and_is_counted(client: httpx.Client,
     failed = next(r for r in records if r["uid"] == idle["session_id"])
     assert failed["status"] == "failed" and failed["reward"] == 0.0 and "idle" in failed["extra_info"]["error"]
     wait_for(lambda: stats(client, run_id).get("gateway_sessions_timed_out") == 1, 10, "timed-out sessions counted")
+
+
+def test_a_busy_engine_answers_429_with_retry_after(client: httpx.Client, rollout_engine: Any,
+                                                    qwen_tokenizer_path: str) -> None:
+    run_id = start_external(client, rollout_engine.url, qwen_tokenizer_path, repeats=1, engine_retries=0)
+    session = new_session(client, run_id, "busy")
+    sdk = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+    claude = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 1 + 2?"}]
+    first = sdk.chat.completions.create(model="m", messages=messages).choices[0].message
+    messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "And 2 + 2?"}]
+    rollout_engine.configure(fail_next=2)
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk.chat.completions.create(model="m", messages=messages)
+    assert caught.value.response.headers["retry-after"] == "1"
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        claude.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "What is 1 + 2?"}])
+    assert refused.value.body["error"]["type"] == "rate_limit_error"
+    retried = sdk.chat.completions.create(model="m", messages=messages)
+    assert retried.choices[0].finish_reason == "stop"
+    stats = client.get(f"/runs/{run_id}").json()["stats"]
+    assert stats["gateway_engine_busy"] == 2 and stats["gateway_turns"] == 2
+    assert "gateway_forks" not in stats, "a failed call leaves no turn behind to fork from"

@@ -29,10 +29,11 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
         raise GatewayError(400, str(exc), exc.param) from exc
     except HistoryRewriteError as exc:
         raise GatewayError(400, f"cannot render this conversation token-exactly: {exc}", "messages") from exc
-    except TransientEngineError as exc:
-        await opened.gateway.store.incr_stat(opened.session.run_id, "gateway_engine_busy")
-        raise GatewayError(429, f"the engine is busy or unreachable; retry later ({exc})") from exc
     except EngineError as exc:
+        if isinstance(exc, TransientEngineError) or isinstance(exc.__cause__, TransientEngineError):
+            # retries ran out on 5xx / 429 / timeouts / connection errors: full or down, try again later
+            await opened.gateway.store.incr_stat(opened.session.run_id, "gateway_engine_busy")
+            raise GatewayError(429, f"the engine is busy or unreachable; retry later ({exc})") from exc
         await opened.gateway.store.incr_stat(opened.session.run_id, "gateway_engine_errors")
         raise GatewayError(502, f"the engine refused the request: {exc}") from exc
 

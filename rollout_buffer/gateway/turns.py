@@ -12,6 +12,7 @@ after a lost answer or a killed process) replays the stored turn: no second gene
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -128,10 +129,12 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
         prompt = ctx.renderer.first(messages, tools)
     else:
         prompt = ctx.renderer.extend(parent.prompt_ids, parent.output_ids, messages[:cut - 1], new, tools)
-    index = await store.next_index(run_id, sid)
     client = gw.engine_client(ctx, sid)
-    client.rid_prefix = f"{sid}:{index}"
+    # engine request ids: unique per call (a retry after a killed process may meet its first attempt still in
+    # the engine), readable in the engine's logs
+    client.rid_prefix = f"{sid}:{count}.{secrets.token_hex(3)}"
     turn, text = await client.generate_turn(prompt.tolist(), params)
+    index = await store.next_index(run_id, sid)  # numbered once generated: a failed call leaves no gap
     parsed = ctx.parser.parse(text, id_prefix=f"call_{index}")
     message = parsed.message()
     node = Node(index=index, parent=-1 if parent is None else parent.index, new_messages=new, message=message,
