@@ -43,12 +43,15 @@ def _arguments(raw: Any) -> Any:
 def canonical(message: dict[str, Any]) -> bytes:
     """The bytes two spellings of one message share (see the module docstring)."""
     role = message.get("role")
-    form: list[Any] = [role, _text(message.get("content"))]
+    content = _text(message.get("content"))
+    if isinstance(content, str) and isinstance(role, str) and not message.get("tool_calls"):
+        return b"\x01" + role.encode() + b"\x00" + content.encode()  # the common case, without a JSON dump
+    form: list[Any] = [role, content]
     calls = message.get("tool_calls") or []
     if calls:
         form.append([[(c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments"))]
                      for c in calls if isinstance(c, dict)])
-    return orjson.dumps(form, option=orjson.OPT_SORT_KEYS)
+    return b"\x02" + orjson.dumps(form, option=orjson.OPT_SORT_KEYS)
 
 
 def tools_digest(tools: list[dict[str, Any]] | None) -> bytes:
@@ -65,8 +68,9 @@ def extend(digest: bytes, message: dict[str, Any]) -> bytes:
 def prefix_digests(tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> list[bytes]:
     """`[d0, d1, ..., dn]`: `d[i]` is the digest of the tools and `messages[:i]`."""
     digests = [tools_digest(tools)]
+    blake = hashlib.blake2b
     for message in messages:
-        digests.append(extend(digests[-1], message))
+        digests.append(blake(digests[-1] + canonical(message), digest_size=DIGEST_BYTES).digest())
     return digests
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer import keys
-from rollout_buffer.gateway.nodes import Node
+from rollout_buffer.gateway.nodes import Node, resolve
 from rollout_buffer.store import Store, text
 
 OPEN = "open"
@@ -93,27 +93,53 @@ class SessionStore:
         found = await self.redis.hmget(keys.session_index(run_id), fields)
         return [None if value is None else int(value) for value in found]
 
+    async def probe(self, run_id: str, session_id: str, request: bytes,
+                    histories: list[bytes]) -> tuple[int | None, list[int | None], int]:
+        """One round trip: (the turn that answered this exact request, the turns whose history ends as each of
+        `histories`, the session's turn count)."""
+        fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories)]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(keys.session_index(run_id), fields)
+        pipe.hget(keys.session_nodes(run_id), _count_field(session_id))
+        found, count = await pipe.execute()
+        found = [None if value is None else int(value) for value in found]
+        return found[0], found[1:], int(count or 0)
+
     async def turn_count(self, run_id: str, session_id: str) -> int:
         return int(await self.redis.hget(keys.session_nodes(run_id), _count_field(session_id)) or 0)
 
-    async def nodes(self, run_id: str, session_id: str, indices: list[int]) -> list[Node | None]:
+    async def _fetch(self, run_id: str, session_id: str, indices: list[int]) -> dict[int, Node]:
         if not indices:
-            return []
+            return {}
         blobs = await self.redis.hmget(keys.session_nodes(run_id), [_node_field(session_id, i) for i in indices])
-        return [None if blob is None else Node.unpack(blob) for blob in blobs]
+        return {i: Node.unpack(blob) for i, blob in zip(indices, blobs) if blob is not None}
+
+    async def nodes(self, run_id: str, session_id: str, indices: list[int]) -> list[Node | None]:
+        """The turns `indices` with their full prompts (their ancestors are read too, in one more call)."""
+        found = await self._fetch(run_id, session_id, indices)
+        missing = sorted({a for n in found.values() if not n.resolved for a in n.chain} - set(found))
+        found.update(await self._fetch(run_id, session_id, missing))
+        resolve(found)
+        return [found.get(i) for i in indices]
 
     async def all_nodes(self, run_id: str, session_id: str) -> list[Node]:
-        """Every stored turn, in the order they were generated."""
+        """Every stored turn with its full prompt, in the order they were generated."""
         count = await self.turn_count(run_id, session_id)
-        return [n for n in await self.nodes(run_id, session_id, list(range(count))) if n is not None]
+        found = await self._fetch(run_id, session_id, list(range(count)))
+        resolve(found)
+        return [found[i] for i in sorted(found)]
 
     async def next_index(self, run_id: str, session_id: str) -> int:
         return int(await self.redis.hincrby(keys.session_nodes(run_id), _count_field(session_id), 1)) - 1
 
-    async def put_turn(self, run_id: str, session_id: str, node: Node, *, history: bytes, request: bytes) -> None:
-        """Store turn `node` and index it by the history through its answer and by its request."""
+    async def put_turn(self, run_id: str, session_id: str, node: Node, *, history: bytes, request: bytes,
+                       stats: dict[str, int]) -> None:
+        """Store turn `node`, index it by the history through its answer and by its request, and add `stats`
+        to the run's counters: one round trip."""
         index = keys.session_index(run_id)
         pipe = self.redis.pipeline(transaction=False)
+        args = [x for name, amount in stats.items() if amount for x in (name, amount)]
+        await self.store.scripts["INCR_STATS"](keys=[keys.run_meta(run_id), keys.stats(run_id)], args=args, client=pipe)
         pipe.hset(keys.session_nodes(run_id), _node_field(session_id, node.index), node.pack())
         pipe.hset(index, f"{session_id}|p|{history.hex()}", node.index)
         pipe.hset(index, f"{session_id}|r|{request.hex()}", node.index)

@@ -103,17 +103,15 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     digests = history.prefix_digests(tools, messages)
     request = history.request_digest(digests[-1], params)
     store = gw.sessions
-    [replay] = await store.lookup(run_id, sid, "r", [request])
+    positions = _assistant_positions(messages)
+    replay, found, count = await store.probe(run_id, sid, request, [digests[i] for i in positions])
     if replay is not None:
         [node] = await store.nodes(run_id, sid, [replay])
         if node is not None:
             await store.touch(run_id, sid)
             await gw.store.incr_stat(run_id, "gateway_replays")
             return TurnAnswer(node, ParsedOutput.from_message(node.message), replayed=True)
-    positions = _assistant_positions(messages)
-    found = await store.lookup(run_id, sid, "p", [digests[i] for i in positions])
     parent_index, cut = next(((index, i) for index, i in zip(found, positions) if index is not None), (None, 0))
-    count = await store.turn_count(run_id, sid)
     parent: Node | None = None
     fork: str | None = None
     if parent_index is not None:
@@ -133,7 +131,7 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     # engine request ids: unique per call (a retry after a killed process may meet its first attempt still in
     # the engine), readable in the engine's logs
     client.rid_prefix = f"{sid}:{count}.{secrets.token_hex(3)}"
-    turn, text = await client.generate_turn(prompt.tolist(), params)
+    turn, text = await client.generate_turn(prompt, params)
     index = await store.next_index(run_id, sid)  # numbered once generated: a failed call leaves no gap
     parsed = ctx.parser.parse(text, id_prefix=f"call_{index}")
     message = parsed.message()
@@ -142,13 +140,15 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
                 output_logprobs=np.asarray(turn["output_logprobs"], dtype=np.float64),
                 finish_reason=str(turn["finish_reason"]), weight_version=turn.get("weight_version"),
                 version_spans=turn.get("version_spans"), history_len=len(messages), tools=tools, fork_reason=fork,
-                created_at=time.time(), extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {})
-    await store.put_turn(run_id, sid, node, history=history.extend(digests[-1], message), request=request)
+                created_at=time.time(), extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {},
+                chain=[] if parent is None else [*parent.chain, parent.index],
+                base=0 if parent is None else len(parent.prompt_ids) + len(parent.output_ids))
     counters = {"gateway_turns": 1, "gateway_prompt_tokens": len(prompt), "gateway_output_tokens": len(node.output_ids)}
     if fork is not None:
         counters[f"gateway_forks:{fork}"] = 1
         counters["gateway_forks"] = 1
     if parsed.malformed:
         counters["gateway_malformed_tool_calls"] = parsed.malformed
-    await gw.store.incr_stats(run_id, counters)
+    await store.put_turn(run_id, sid, node, history=history.extend(digests[-1], message), request=request,
+                         stats=counters)
     return TurnAnswer(node, parsed, replayed=False)

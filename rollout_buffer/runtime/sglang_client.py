@@ -163,7 +163,7 @@ class GenerateClient(RolloutEngineSession):
         self.guard.record(messages, tools, message)
         return ChatResult(message=message, finish_reason=turn["finish_reason"], turn=turn)
 
-    async def generate_turn(self, prompt_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    async def generate_turn(self, prompt_ids: Any, params: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """One token-exact turn for prompt ids the caller rendered (the agent gateway): (turn, text)."""
         return await self._generate(prompt_ids, params)
 
@@ -181,7 +181,8 @@ class GenerateClient(RolloutEngineSession):
             if remaining <= 0:
                 finish = "length"
                 break
-            body = {"input_ids": [*prompt_ids, *output_ids], "return_logprob": True,
+            # prompt ids may be a numpy array (the gateway's): sent as it is, without a Python int per token
+            body = {"input_ids": [*prompt_ids, *output_ids] if output_ids else prompt_ids, "return_logprob": True,
                     "sampling_params": {**params, "max_new_tokens": remaining}}
             started = await self.policy_version(fresh=piece > 0)
             rid_base = f"{self.rid_prefix or self.routing_key}:{len(self.turns)}:{piece}"
