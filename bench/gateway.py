@@ -30,7 +30,7 @@ import httpx
 import orjson
 
 from bench.bare_client import run_baseline
-from bench.procs import cpu_seconds
+from bench.procs import cpu_seconds_precise
 from bench.rollout_concurrency import _free_port, _spawn, _stop, _wait_for
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
@@ -41,12 +41,15 @@ def _note(rng: random.Random, turn: int, words: int) -> str:
     return f"Note {turn}: " + " ".join(rng.choice(WORDS) for _ in range(words)) + ". What is 2 + 3?"
 
 
-async def _chat(session: aiohttp.ClientSession, url: str, key: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+async def _chat(session: aiohttp.ClientSession, url: str, key: str, messages: list[dict[str, Any]],
+                usage: list[int] | None = None) -> dict[str, Any]:
     async with session.post(f"{url}/v1/chat/completions", data=orjson.dumps({"model": "m", "messages": messages}),
                             headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as reply:
         body = orjson.loads(await reply.read())
     if reply.status != 200:
         raise RuntimeError(f"gateway answered {reply.status}: {body}")
+    if usage is not None:
+        usage.append(body["usage"]["prompt_tokens"])
     return body["choices"][0]["message"]
 
 
@@ -71,12 +74,15 @@ async def _cpu_steps(url: str, sessions: list[dict[str, Any]], turns: int, words
         for turn in range(1, turns + 1):
             for history in histories:
                 history.append({"role": "user", "content": _note(rng, turn, words)})
-            before, started = cpu_seconds(server_pid), time.perf_counter()
-            answers = await asyncio.gather(*(_chat(http, url, s["api_key"], h) for s, h in zip(sessions, histories)))
-            used, wall = cpu_seconds(server_pid) - before, time.perf_counter() - started
+            before, started = cpu_seconds_precise(server_pid), time.perf_counter()
+            prompts: list[int] = []
+            answers = await asyncio.gather(*(_chat(http, url, s["api_key"], h, prompts)
+                                             for s, h in zip(sessions, histories)))
+            used, wall = cpu_seconds_precise(server_pid) - before, time.perf_counter() - started
             for history, answer in zip(histories, answers):
                 history.append({"role": "assistant", "content": answer["content"]})
-            steps.append({"turn": turn, "cpu_ms_per_turn": 1000 * used / len(sessions), "wall_s": wall})
+            steps.append({"turn": turn, "cpu_ms_per_turn": 1000 * used / len(sessions), "wall_s": wall,
+                          "prompt_tokens": max(prompts)})
     return steps
 
 
@@ -118,8 +124,8 @@ def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64
     from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 
     cpu_sessions = cpu_sessions or (8 if quick else 16)
-    words = words or 480  # ~500 tokens a turn: ~34k tokens by turn 64
-    latency_s = latency_s if latency_s is not None else (0.2 if quick else 0.5)
+    words = words or 270  # ~500 tokens a turn: ~32k tokens by turn 64
+    latency_s = latency_s if latency_s is not None else 0.5
     tokenizer = str(qwen_tokenizer_dir("qwen2.5"))
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="rb-bench-gw-") as tmp:
@@ -138,19 +144,25 @@ def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64
                 asyncio.run(_cpu_steps(url, warm, 2, 20, server.pid))  # tokenizer, template, connections
                 sessions = _sessions(client, run_id, cpu_sessions)
                 steps = asyncio.run(_cpu_steps(url, sessions, turns, words, server.pid))
-                prompt_tokens = client.get(f"/runs/{run_id}").json()["stats"]["gateway_prompt_tokens"]
                 httpx.post(f"{engine_url}/_test/config", json={"latency_s": latency_s})
                 httpx.post(f"{engine_url}/_test/reset_stats")
                 run_id = _start(client, engine_url, tokenizer, "gateway-concurrency")
                 sessions = _sessions(client, run_id, concurrency)
+                cpu_before = (cpu_seconds_precise(server.pid), cpu_seconds_precise(engine.pid), time.process_time())
                 with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
                     seconds, calls = runner.run(_concurrent(url, sessions, 3))
+                cpu_after = (cpu_seconds_precise(server.pid), cpu_seconds_precise(engine.pid), time.process_time())
+                cpu_ms = {name: 1000 * (after - before) / calls for name, before, after
+                          in zip(("gateway", "engine", "load generator"), cpu_before, cpu_after)}
                 logged = httpx.get(f"{engine_url}/_test/calls").json()
                 tokens = httpx.get(f"{engine_url}/_test/stats").json()["generated_tokens"]
                 httpx.post(f"{engine_url}/_test/reset_stats")
                 params = sglang_sampling_params(StartRolloutRequest(task_type="external",
                                                                     sampling_params={"max_tokens": 64}))
+                engine_before, bare_before = cpu_seconds_precise(engine.pid), time.process_time()
                 base_seconds, base_calls = run_baseline(engine_url, _replay_bodies(logged, params), concurrency)
+                cpu_ms["bare client"] = 1000 * (time.process_time() - bare_before) / calls
+                cpu_ms["engine (bare)"] = 1000 * (cpu_seconds_precise(engine.pid) - engine_before) / calls
                 base_tokens = httpx.get(f"{engine_url}/_test/stats").json()["generated_tokens"]
             if base_calls != calls or base_tokens != tokens:
                 raise RuntimeError(f"the bare client did not replay the same work: {base_calls} calls, {base_tokens} "
@@ -161,11 +173,11 @@ def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64
     first, last = steps[0]["cpu_ms_per_turn"], steps[-1]["cpu_ms_per_turn"]
     return {
         "cpu_sessions": cpu_sessions, "turns": turns, "words_per_turn": words,
-        "last_prompt_tokens": prompt_tokens, "cpu_ms_turn_1": first, "cpu_ms_turn_last": last,
+        "last_prompt_tokens": steps[-1]["prompt_tokens"], "cpu_ms_turn_1": first, "cpu_ms_turn_last": last,
         "cpu_ratio": last / first if first else float("inf"), "steps": steps,
         "concurrency": concurrency, "latency_s": latency_s, "calls": calls, "seconds": seconds,
         "calls_per_s": calls / seconds, "baseline_seconds": base_seconds, "baseline_calls_per_s": calls / base_seconds,
-        "ratio": base_seconds / seconds, "ideal_calls_per_s": concurrency / latency_s,
+        "ratio": base_seconds / seconds, "ideal_calls_per_s": concurrency / latency_s, "cpu_ms_per_call": cpu_ms,
         "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
     }
 

@@ -10,9 +10,11 @@ request replay it instead of generating a second turn.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 
 from rollout_buffer import keys
@@ -48,12 +50,39 @@ def _node_field(session_id: str, index: int) -> str:
     return f"{session_id}|{index}"
 
 
+class PromptCache:
+    """Full prompts of recent turns in this process (a turn's ids never change once stored), so the next turn
+    of a session this process served does not read its whole chain of turns back; bounded in tokens."""
+
+    def __init__(self, max_tokens: int = 8_000_000) -> None:
+        self.max_tokens = max_tokens
+        self._tokens = 0
+        self._items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+
+    def get(self, session_id: str, index: int) -> np.ndarray | None:
+        found = self._items.get((session_id, index))
+        if found is not None:
+            self._items.move_to_end((session_id, index))
+        return found
+
+    def put(self, session_id: str, index: int, prompt: np.ndarray) -> None:
+        key = (session_id, index)
+        if key in self._items or len(prompt) > self.max_tokens:
+            return
+        self._items[key] = prompt
+        self._tokens += len(prompt)
+        while self._tokens > self.max_tokens:
+            _, old = self._items.popitem(last=False)
+            self._tokens -= len(old)
+
+
 class SessionStore:
     """The sessions of every external run, on the buffer's Redis."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.redis = store.redis
+        self.prompts = PromptCache()
 
     async def create(self, run_id: str, session_id: str, *, instance_id: str, epoch: int | None, group_size: int,
                      key_digest: str, metadata: dict[str, Any]) -> Session:
@@ -95,14 +124,17 @@ class SessionStore:
 
     async def probe(self, run_id: str, session_id: str, request: bytes,
                     histories: list[bytes]) -> tuple[int | None, list[int | None], int]:
-        """One round trip: (the turn that answered this exact request, the turns whose history ends as each of
-        `histories`, the session's turn count)."""
-        fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories)]
+        """(the turn that answered this exact request, the turns whose history ends as each of `histories`
+        (longest first), the session's turn count). One round trip when the longest history is a turn's (an
+        agent going on), two otherwise."""
+        fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories[:1])]
         pipe = self.redis.pipeline(transaction=False)
         pipe.hmget(keys.session_index(run_id), fields)
         pipe.hget(keys.session_nodes(run_id), _count_field(session_id))
-        found, count = await pipe.execute()
-        found = [None if value is None else int(value) for value in found]
+        first, count = await pipe.execute()
+        found = [None if value is None else int(value) for value in first]
+        if len(histories) > 1 and found[1] is None:
+            found[2:] = await self.lookup(run_id, session_id, "p", histories[1:])
         return found[0], found[1:], int(count or 0)
 
     async def turn_count(self, run_id: str, session_id: str) -> int:
@@ -117,6 +149,10 @@ class SessionStore:
     async def nodes(self, run_id: str, session_id: str, indices: list[int]) -> list[Node | None]:
         """The turns `indices` with their full prompts (their ancestors are read too, in one more call)."""
         found = await self._fetch(run_id, session_id, indices)
+        for node in found.values():
+            cached = None if node.resolved else self.prompts.get(session_id, node.index)
+            if cached is not None:
+                node.prompt_ids, node.resolved = cached, True
         missing = sorted({a for n in found.values() if not n.resolved for a in n.chain} - set(found))
         found.update(await self._fetch(run_id, session_id, missing))
         resolve(found)
@@ -136,6 +172,7 @@ class SessionStore:
                        stats: dict[str, int]) -> None:
         """Store turn `node`, index it by the history through its answer and by its request, and add `stats`
         to the run's counters: one round trip."""
+        self.prompts.put(session_id, node.index, node.prompt_ids)
         index = keys.session_index(run_id)
         pipe = self.redis.pipeline(transaction=False)
         args = [x for name, amount in stats.items() if amount for x in (name, amount)]
