@@ -136,8 +136,8 @@ class Gateway:
         return run_id, created
 
     async def context(self, run_id: str) -> RunContext | None:
-        """The run's context, built on first use from its stored config; None for a run that is not an
-        external run."""
+        """The run's context, built on first use from its stored config; None for a run that cannot serve
+        sessions (no engine or tokenizer, or the chat API)."""
         ctx = self._contexts.get(run_id)
         if ctx is not None:
             return ctx
@@ -147,8 +147,9 @@ class Gateway:
             if ctx is not None:
                 return ctx
             config = await self.store.run_config(run_id)
-            if not config or config.get("task_type") != TASK_TYPE or config.get("input_file"):
-                return None
+            if not config or not config.get("remote_engine_url") or not config.get("tokenizer_path") \
+                    or (config.get("engine_api") or "generate") != "generate":
+                return None  # an external run, or a native run whose rollouts open sessions (`ctx.session()`)
             request = StartRolloutRequest.model_validate(config)
             options = RunOptions.from_request(request, rollout_timeout_s=self.settings.rollout_timeout_s)
             tokenizer = await get_tokenizer(str(options.tokenizer_path),

@@ -55,7 +55,9 @@ def base_url(request: Request) -> str:
 async def create_session(run_id: str, body: CreateSession, request: Request) -> Any:
     """Open a session of an external run: its API key opens the model endpoints for this session only."""
     gw = gateway_of(request)
-    ctx = await gw.context(run_id)
+    config = await gw.store.run_config(run_id)
+    external = bool(config) and config.get("task_type") == "external" and not config.get("input_file")
+    ctx = await gw.context(run_id) if external else None
     if ctx is None:
         if not await gw.store.run_exists(run_id):
             return error_response(404, f"unknown run_id {run_id!r}")

@@ -85,9 +85,10 @@ class SessionStore:
         self.prompts = PromptCache()
 
     async def create(self, run_id: str, session_id: str, *, instance_id: str, epoch: int | None, group_size: int,
-                     key_digest: str, metadata: dict[str, Any]) -> Session:
+                     key_digest: str, metadata: dict[str, Any], idle_clock: bool = True) -> Session:
         """Store a new open session; without `epoch`, the instance's k-th session joins epoch
-        `(k - 1) // group_size`, so sessions fill groups in order."""
+        `(k - 1) // group_size`, so sessions fill groups in order. `idle_clock=False`: never finished by the
+        idle timeout (a rollout's own session, `in_rollout`)."""
         if epoch is None:
             seq = int(await self.redis.hincrby(keys.session_seq(run_id), instance_id, 1))
             epoch = (seq - 1) // group_size
@@ -98,7 +99,8 @@ class SessionStore:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.sessions(run_id), session_id, orjson.dumps(fields))
         pipe.hset(keys.session_status(run_id), session_id, OPEN)
-        pipe.zadd(keys.session_open(run_id), {session_id: now})
+        if idle_clock:
+            pipe.zadd(keys.session_open(run_id), {session_id: now})
         await pipe.execute()
         return session
 
