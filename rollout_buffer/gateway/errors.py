@@ -73,10 +73,14 @@ async def open_session(request: Request, *, require_open: bool = True) -> Opened
     session_id, secret = parsed
     gw = gateway_of(request)
     run_id = keys_auth.run_of(session_id) or ""
-    session = await gw.sessions.get(run_id, session_id)
+    # a session this process knows needs no read here: its status is checked with the turn's own lookups
+    session = gw.sessions.known(session_id) if require_open else None
+    fresh = session is None
+    if session is None:
+        session = await gw.sessions.get(run_id, session_id)
     if session is None or not keys_auth.key_matches(secret, session.key_digest):
         raise GatewayError(401, "invalid API key: no session has this key")
-    if require_open and not session.is_open:
+    if fresh and require_open and not session.is_open:
         raise GatewayError(404, f"session {session_id} is {session.status}: it takes no more requests")
     ctx = await gw.context(run_id)
     if ctx is None:

@@ -12,14 +12,16 @@ from rollout_buffer.gateway.serving import answer_turn, sse
 from rollout_buffer.gateway.wire_common import json_object
 from rollout_buffer.responses import OrjsonResponse
 
-router = APIRouter(tags=["gateway"])
+# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
+router = APIRouter(tags=["gateway"], include_in_schema=False)
 
 
 @router.post("/v1/messages")
 async def messages(request: Request) -> Any:
+    raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        body = wire_anthropic.read_request(json_object(await request.body()))
+        body = wire_anthropic.read_request(json_object(raw))
         answer = await answer_turn(opened, body.messages, body.tools, body.params)
     except GatewayError as exc:
         return error_response("anthropic", exc)

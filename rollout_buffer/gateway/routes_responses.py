@@ -14,7 +14,8 @@ from rollout_buffer.gateway.serving import answer_turn, sse
 from rollout_buffer.gateway.wire_common import json_object
 from rollout_buffer.responses import OrjsonResponse
 
-router = APIRouter(tags=["gateway"])
+# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
+router = APIRouter(tags=["gateway"], include_in_schema=False)
 
 
 async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> list[dict[str, Any]]:
@@ -33,9 +34,10 @@ async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> lis
 
 @router.post("/v1/responses")
 async def responses(request: Request) -> Any:
+    raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        body = wire_responses.read_request(json_object(await request.body()))
+        body = wire_responses.read_request(json_object(raw))
         messages = [*await _history(opened, body), *body.items]
         answer = await answer_turn(opened, messages, body.tools, body.params)
     except GatewayError as exc:

@@ -76,31 +76,39 @@ async def create_session(run_id: str, body: CreateSession, request: Request) -> 
             "instance_id": session.instance_id, "epoch": session.epoch, "model": ctx.model}
 
 
-def _finish_allowed(request: Request, session_digest: str) -> bool:
-    """The session's own key, or the server token (or no token configured: the server is open)."""
+def _finish_credential(request: Request, session_id: str) -> str | None:
+    """Who may finish: "token" (the server token, or none configured and none sent), "key" (a key of this
+    session id, to check against the stored digest), or None (refused: 401)."""
     token = request.app.state.buffer.settings.resolved_auth_token()
     given = keys_auth.key_from_headers(request.headers.get("authorization"), request.headers.get("x-api-key"))
-    if given is not None:
-        parsed = keys_auth.parse_key(given)
-        if parsed is not None and keys_auth.key_matches(parsed[1], session_digest):
-            return True
-        if token is not None and hmac.compare_digest(given.encode(), token.encode()):
-            return True
-    return token is None and given is None
+    if given is None:
+        return "token" if token is None else None
+    if token is not None and hmac.compare_digest(given.encode(), token.encode()):
+        return "token"
+    parsed = keys_auth.parse_key(given)
+    return "key" if parsed is not None and parsed[0] == session_id else None
 
 
 @router.post("/sessions/{session_id}/finish", openapi_extra=json_body(FinishSession))
 async def finish(session_id: str, request: Request) -> Any:
     """Turn the session into its record (reward, status); a group completes when `num_repeat_per_sample`
     sessions of its instance finished. Finishing again stores nothing twice."""
+    await request.body()  # first: an oversize body is 413 whatever else is wrong
+    credential = _finish_credential(request, session_id)
+    refused = error_response(401, "finishing a session needs its api_key or the server token")
+    if credential is None:
+        return refused
     gw = gateway_of(request)
     run_id = keys_auth.run_of(session_id)
     session = await gw.sessions.get(run_id, session_id) if run_id else None
+    if credential == "key":
+        secret = keys_auth.parse_key(keys_auth.key_from_headers(request.headers.get("authorization"),
+                                                                request.headers.get("x-api-key")) or "")
+        if session is None or secret is None or not keys_auth.key_matches(secret[1], session.key_digest):
+            return refused
     if session is None:
         return error_response(404, f"unknown session {session_id!r}")
-    if not _finish_allowed(request, session.key_digest):
-        return error_response(401, "finishing a session needs its api_key or the server token")
-    body = await parse_body_with(request, FinishSession.model_validate_json)  # after the key: 401 first
+    body = await parse_body_with(request, FinishSession.model_validate_json)
     outcome = await finish_session(gw, session, reward=body.reward, status=body.status, extra_info=body.extra_info)
     if outcome.outcome == "dropped":
         return error_response(409, f"session {session_id} not stored: {outcome.reason.replace('_', ' ')}",

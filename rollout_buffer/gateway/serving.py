@@ -12,7 +12,7 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from rollout_buffer.gateway.errors import GatewayError, Opened
-from rollout_buffer.gateway.turns import TurnAnswer, TurnRequestError, run_turn
+from rollout_buffer.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
 from rollout_buffer.task_contract import HistoryRewriteError
 
@@ -25,6 +25,8 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
     full or unreachable after retries, 502 the engine refusing."""
     try:
         return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools, params)
+    except SessionClosed as exc:
+        raise GatewayError(404, str(exc)) from exc
     except TurnRequestError as exc:
         raise GatewayError(400, str(exc), exc.param) from exc
     except HistoryRewriteError as exc:

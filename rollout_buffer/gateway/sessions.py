@@ -50,30 +50,31 @@ def _node_field(session_id: str, index: int) -> str:
     return f"{session_id}|{index}"
 
 
-class PromptCache:
-    """Full prompts of recent turns in this process (a turn's ids never change once stored), so the next turn
-    of a session this process served does not read its whole chain of turns back; bounded in tokens."""
+class NodeCache:
+    """Recent turns (full prompts included) in this process: a stored turn never changes, so the next turn of a
+    session this process served needs no read of it, nor of its chain of ancestors; bounded in tokens."""
 
     def __init__(self, max_tokens: int = 8_000_000) -> None:
         self.max_tokens = max_tokens
         self._tokens = 0
-        self._items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._items: OrderedDict[tuple[str, int], Node] = OrderedDict()
 
-    def get(self, session_id: str, index: int) -> np.ndarray | None:
+    def get(self, session_id: str, index: int) -> Node | None:
         found = self._items.get((session_id, index))
         if found is not None:
             self._items.move_to_end((session_id, index))
         return found
 
-    def put(self, session_id: str, index: int, prompt: np.ndarray) -> None:
-        key = (session_id, index)
-        if key in self._items or len(prompt) > self.max_tokens:
+    def put(self, session_id: str, node: Node) -> None:
+        key = (session_id, node.index)
+        size = len(node.prompt_ids) + len(node.output_ids)
+        if key in self._items or size > self.max_tokens or not node.resolved:
             return
-        self._items[key] = prompt
-        self._tokens += len(prompt)
+        self._items[key] = node
+        self._tokens += size
         while self._tokens > self.max_tokens:
             _, old = self._items.popitem(last=False)
-            self._tokens -= len(old)
+            self._tokens -= len(old.prompt_ids) + len(old.output_ids)
 
 
 class SessionStore:
@@ -82,7 +83,12 @@ class SessionStore:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.redis = store.redis
-        self.prompts = PromptCache()
+        self.turns = NodeCache()
+        self._facts: OrderedDict[str, Session] = OrderedDict()  # sessions' fixed facts (status not kept fresh)
+
+    def known(self, session_id: str) -> Session | None:
+        """A session this process has read before (its fixed facts; its status may be stale)."""
+        return self._facts.get(session_id)
 
     async def create(self, run_id: str, session_id: str, *, instance_id: str, epoch: int | None, group_size: int,
                      key_digest: str, metadata: dict[str, Any], idle_clock: bool = True) -> Session:
@@ -112,8 +118,12 @@ class SessionStore:
         if raw is None:
             return None
         fields = orjson.loads(raw)
-        return Session(session_id, run_id, fields["instance_id"], int(fields["epoch"]), fields["key_digest"],
-                       float(fields["created_at"]), fields.get("metadata") or {}, text(status) or "")
+        session = Session(session_id, run_id, fields["instance_id"], int(fields["epoch"]), fields["key_digest"],
+                          float(fields["created_at"]), fields.get("metadata") or {}, text(status) or "")
+        self._facts[session_id] = session
+        while len(self._facts) > 100_000:
+            self._facts.popitem(last=False)
+        return session
 
     async def lookup(self, run_id: str, session_id: str, kind: str, digests: list[bytes]) -> list[int | None]:
         """The turns the index names for each digest (`kind` "p": a history ending with that turn's
@@ -125,19 +135,20 @@ class SessionStore:
         return [None if value is None else int(value) for value in found]
 
     async def probe(self, run_id: str, session_id: str, request: bytes,
-                    histories: list[bytes]) -> tuple[int | None, list[int | None], int]:
-        """(the turn that answered this exact request, the turns whose history ends as each of `histories`
-        (longest first), the session's turn count). One round trip when the longest history is a turn's (an
-        agent going on), two otherwise."""
+                    histories: list[bytes]) -> tuple[str, int | None, list[int | None], int]:
+        """(the session's status, the turn that answered this exact request, the turns whose history ends as
+        each of `histories` (longest first), the session's turn count). One round trip when the longest history
+        is a turn's (an agent going on), two otherwise."""
         fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories[:1])]
         pipe = self.redis.pipeline(transaction=False)
         pipe.hmget(keys.session_index(run_id), fields)
         pipe.hget(keys.session_nodes(run_id), _count_field(session_id))
-        first, count = await pipe.execute()
+        pipe.hget(keys.session_status(run_id), session_id)
+        first, count, status = await pipe.execute()
         found = [None if value is None else int(value) for value in first]
         if len(histories) > 1 and found[1] is None:
             found[2:] = await self.lookup(run_id, session_id, "p", histories[1:])
-        return found[0], found[1:], int(count or 0)
+        return text(status) or "", found[0], found[1:], int(count or 0)
 
     async def turn_count(self, run_id: str, session_id: str) -> int:
         return int(await self.redis.hget(keys.session_nodes(run_id), _count_field(session_id)) or 0)
@@ -149,15 +160,25 @@ class SessionStore:
         return {i: Node.unpack(blob) for i, blob in zip(indices, blobs) if blob is not None}
 
     async def nodes(self, run_id: str, session_id: str, indices: list[int]) -> list[Node | None]:
-        """The turns `indices` with their full prompts (their ancestors are read too, in one more call)."""
-        found = await self._fetch(run_id, session_id, indices)
-        for node in found.values():
-            cached = None if node.resolved else self.prompts.get(session_id, node.index)
+        """The turns `indices` with their full prompts (from this process's cache, else from Redis, their
+        ancestors read in one more call where needed)."""
+        found: dict[int, Node] = {}
+        for index in indices:
+            cached = self.turns.get(session_id, index)
             if cached is not None:
-                node.prompt_ids, node.resolved = cached, True
+                found[index] = cached
+        fetched = await self._fetch(run_id, session_id, [i for i in indices if i not in found])
+        for node in fetched.values():
+            parent = None if node.resolved else self.turns.get(session_id, node.parent)
+            if parent is not None:
+                node.prompt_ids = np.concatenate([parent.prompt_ids, parent.output_ids, node.prompt_ids])
+                node.resolved = True
+        found.update(fetched)
         missing = sorted({a for n in found.values() if not n.resolved for a in n.chain} - set(found))
         found.update(await self._fetch(run_id, session_id, missing))
         resolve(found)
+        for node in fetched.values():
+            self.turns.put(session_id, node)
         return [found.get(i) for i in indices]
 
     async def all_nodes(self, run_id: str, session_id: str) -> list[Node]:
@@ -174,7 +195,7 @@ class SessionStore:
                        stats: dict[str, int]) -> None:
         """Store turn `node`, index it by the history through its answer and by its request, and add `stats`
         to the run's counters: one round trip."""
-        self.prompts.put(session_id, node.index, node.prompt_ids)
+        self.turns.put(session_id, node)
         index = keys.session_index(run_id)
         pipe = self.redis.pipeline(transaction=False)
         args = [x for name, amount in stats.items() if amount for x in (name, amount)]

@@ -27,6 +27,10 @@ from rollout_buffer.gateway.sessions import Session
 from rollout_buffer.runtime.sglang_client import merge_sampling
 
 
+class SessionClosed(RuntimeError):
+    """The session was finished (by its client, or the idle timeout) and takes no more requests."""
+
+
 class TurnRequestError(ValueError):
     """A request the session cannot answer; `param` names the field."""
 
@@ -104,7 +108,9 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     request = history.request_digest(digests[-1], params)
     store = gw.sessions
     positions = _assistant_positions(messages)
-    replay, found, count = await store.probe(run_id, sid, request, [digests[i] for i in positions])
+    status, replay, found, count = await store.probe(run_id, sid, request, [digests[i] for i in positions])
+    if status != "open":
+        raise SessionClosed(f"session {sid} is {status or 'gone'}: it takes no more requests")
     if replay is not None:
         [node] = await store.nodes(run_id, sid, [replay])
         if node is not None:
