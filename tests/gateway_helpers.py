@@ -67,7 +67,8 @@ def openai_tool_loop(client: Any, questions: list[str], *, stream: bool = False)
             if not message.tool_calls:
                 break
             for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": calculate(call.function.arguments)})
     return messages
 
 

@@ -81,8 +81,8 @@ def _check(messages: list[dict[str, Any]]) -> None:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise TurnRequestError(f"messages[{i}]", f"messages[{i}] must be an object with a string 'role'")
     if messages[-1]["role"] == "assistant":
-        raise TurnRequestError("messages", "messages: the last message must not be an assistant message (prefill is not "
-                                           "supported by the gateway)")
+        raise TurnRequestError("messages", "messages: the last message must not be an assistant message "
+                                           "(prefill is not supported by the gateway)")
 
 
 async def _fork_reason(gw: Gateway, session: Session, count: int, messages: list[dict[str, Any]],

@@ -56,7 +56,8 @@ def gateway_view(run: RunSnapshot, turns_per_s: float | None) -> dict[str, Any]:
         "sessions_open": run.gateway_sessions_open(), "sessions_created": run.stat("gateway_sessions_created"),
         "sessions_finished": run.stat("gateway_sessions_finished"),
         "sessions_timed_out": run.stat("gateway_sessions_timed_out"), "turns": run.stat("gateway_turns"),
-        "turns_per_s": turns_per_s, "forks": run.stat("gateway_forks"), "forks_by_reason": run.prefixed("gateway_forks:"),
+        "turns_per_s": turns_per_s, "forks": run.stat("gateway_forks"),
+        "forks_by_reason": run.prefixed("gateway_forks:"),
         "malformed_tool_calls": run.stat("gateway_malformed_tool_calls"), "replays": run.stat("gateway_replays"),
     }
 
