@@ -163,3 +163,24 @@ def test_a_busy_engine_answers_429_with_retry_after(client: httpx.Client, rollou
     stats = client.get(f"/runs/{run_id}").json()["stats"]
     assert stats["gateway_engine_busy"] == 2 and stats["gateway_turns"] == 2
     assert "gateway_forks" not in stats, "a failed call leaves no turn behind to fork from"
+
+
+def test_the_staleness_bound_closes_admission_with_429(server: ServerProcess, client: httpx.Client,
+                                                       rollout_engine: Any, qwen_tokenizer_path: str) -> None:
+    refused = client.post("/start_rollout", json={
+        "task_type": "external", "remote_engine_url": rollout_engine.url, "tokenizer_path": qwen_tokenizer_path,
+        "max_staleness": 0})
+    assert refused.status_code == 400 and "stale_policy" in refused.json()["message"], "no runtime to requeue"
+    run_id = start_external(client, rollout_engine.url, qwen_tokenizer_path, repeats=2, max_staleness=0,
+                            stale_policy="drop", rollout_batch_size=1)
+    first = new_session(client, run_id, "a")
+    second = new_session(client, run_id, "a")  # the same group: always admitted
+    answer = client.post(f"/runs/{run_id}/sessions", json={"instance_id": "b"})
+    assert answer.status_code == 429 and answer.headers["retry-after"] == "1", answer.text
+    assert "staleness bound" in answer.json()["message"]
+    for session in (first, second):
+        finish(client, session, 1.0)
+    assert len(read_group(client, run_id, 2)) == 2  # the trainer consumed the group
+    admitted = new_session(client, run_id, "b")
+    assert admitted["epoch"] == 0
+    assert stats(client, run_id)["gateway_sessions_deferred"] == 1

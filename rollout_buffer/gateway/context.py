@@ -119,7 +119,7 @@ class Gateway:
         """Create (or find) an external run; (run_id, created)."""
         await self.check(request)
         try:
-            policy = RunPolicy.from_request(request, "native")
+            policy = RunPolicy.from_request(request, TASK_TYPE)  # no runtime to roll a stale group out again
         except PolicyError as exc:
             raise StartRolloutError(exc.field, exc.message) from exc
         run_id = request.run_id or derive_run_id(request)

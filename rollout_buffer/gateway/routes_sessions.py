@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_buffer.bodies import json_body, parse_body_with
 from rollout_buffer.gateway import keys_auth
-from rollout_buffer.gateway.errors import gateway_of
+from rollout_buffer.gateway.errors import RETRY_AFTER_S, gateway_of
 from rollout_buffer.gateway.records import finish_session
+from rollout_buffer.gateway.sessions import AdmissionClosed
 from rollout_buffer.http_errors import error_response
 from rollout_buffer.schema import RecordStatus
 
@@ -67,8 +68,14 @@ async def create_session(run_id: str, body: CreateSession, request: Request) -> 
         return error_response(409, f"run {run_id!r} is {status}: it takes no new sessions")
     session_id = keys_auth.new_session_id(run_id)
     api_key, digest = keys_auth.new_key(session_id)
-    session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
-                                       group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
+    try:
+        session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
+                                           group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
+    except AdmissionClosed as exc:
+        await gw.store.incr_stat(run_id, "gateway_sessions_deferred")
+        answer = error_response(429, str(exc))
+        answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return answer
     await gw.store.incr_stat(run_id, "gateway_sessions_created")
     base = base_url(request)
     return {"session_id": session_id, "api_key": api_key, "openai_base_url": f"{base}/v1",

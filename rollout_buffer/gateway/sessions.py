@@ -23,6 +23,37 @@ from rollout_buffer.store import Store, text
 
 OPEN = "open"
 
+# KEYS: 1 meta 2 stats 3 gstarted 4 session_seq. ARGV: 1 instance_id 2 group_size 3 epoch ('' = the next
+# free place). A session that starts a new group is admitted under the run's staleness bound with the
+# runtime's rule (rollout_buffer.runtime.taskqueue): refused while started-but-unconsumed groups number
+# (max_staleness + 1) x the groups per read. Returns {admitted 1|0, epoch}; a refusal changes nothing.
+ADMIT = """
+local epoch = tonumber(ARGV[3])
+if not epoch then
+  epoch = math.floor(tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0') / tonumber(ARGV[2]))
+end
+local gid = epoch .. ':' .. ARGV[1]
+if redis.call('HEXISTS', KEYS[3], gid) == 0 then
+  local run = redis.call('HMGET', KEYS[1], 'max_staleness', 'groups_per_read', 'groups_per_read_hint',
+                         'consumed_before_version')
+  local bound = tonumber(run[1] or '')
+  if bound then
+    local per = tonumber(run[2] or '') or tonumber(run[3] or '') or 1
+    local consumed = tonumber(run[4] or '') or tonumber(redis.call('HGET', KEYS[2], 'groups_consumed') or '0')
+    local live = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0') - consumed
+    if live >= (bound + 1) * per then return {0, epoch} end
+  end
+  redis.call('HSET', KEYS[3], gid, '0')
+  redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
+end
+if not tonumber(ARGV[3]) then redis.call('HINCRBY', KEYS[4], ARGV[1], 1) end
+return {1, epoch}
+"""
+
+
+class AdmissionClosed(RuntimeError):
+    """The run's staleness bound admits no new group now; the client retries later."""
+
 
 @dataclass
 class Session:
@@ -84,6 +115,7 @@ class SessionStore:
         self.store = store
         self.redis = store.redis
         self.turns = NodeCache()
+        self._admit = store.redis.register_script(ADMIT)
         self._facts: OrderedDict[str, Session] = OrderedDict()  # sessions' fixed facts (status not kept fresh)
 
     def known(self, session_id: str) -> Session | None:
@@ -93,11 +125,16 @@ class SessionStore:
     async def create(self, run_id: str, session_id: str, *, instance_id: str, epoch: int | None, group_size: int,
                      key_digest: str, metadata: dict[str, Any], idle_clock: bool = True) -> Session:
         """Store a new open session; without `epoch`, the instance's k-th session joins epoch
-        `(k - 1) // group_size`, so sessions fill groups in order. `idle_clock=False`: never finished by the
+        `(k - 1) // group_size`, so sessions fill groups in order. AdmissionClosed when it would start a group
+        the staleness bound does not admit now. `idle_clock=False`: never finished by the
         idle timeout (a rollout's own session, `in_rollout`)."""
-        if epoch is None:
-            seq = int(await self.redis.hincrby(keys.session_seq(run_id), instance_id, 1))
-            epoch = (seq - 1) // group_size
+        admitted, epoch = await self._admit(
+            keys=[keys.run_meta(run_id), keys.stats(run_id), keys.group_started(run_id), keys.session_seq(run_id)],
+            args=[instance_id, group_size, "" if epoch is None else epoch])
+        if not int(admitted):
+            raise AdmissionClosed(f"the run's staleness bound admits no new group now (instance {instance_id!r}, "
+                                  f"epoch {epoch}); retry after the trainer has read")
+        epoch = int(epoch)
         now = time.time()
         session = Session(session_id, run_id, instance_id, epoch, key_digest, now, metadata, OPEN)
         fields = {"instance_id": instance_id, "epoch": epoch, "key_digest": key_digest, "created_at": now,
