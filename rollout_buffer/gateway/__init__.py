@@ -12,18 +12,21 @@ any task module's records.
 Modules, one job each:
 
 - `history`: canonical messages and the prefix digests a request is matched by;
-- `nodes`: one stored turn of a session (ids as packed arrays);
-- `sessions`: the sessions' Redis state (keys in `rollout_buffer.keys`);
+- `nodes`: one stored turn of a session (ids as packed arrays, prompts stored as tails);
+- `sessions`: the sessions' Redis state (keys in `rollout_buffer.keys`; the admission script beside it);
 - `rendering`: the first prompt, and the tokens of only the messages a client added;
 - `parsers`: tool-call and reasoning parsers, named as SGLang names them;
 - `turns`: one model call of a session (match, fork, render, generate, store; retries replay);
 - `records`: a finished session as a trajectory record;
-- `context`: what one API process keeps per run (tokenizer, engine client, parsers);
-- `keys_auth`: session ids and API keys;
-- `wire_openai`, `wire_anthropic`, `wire_responses`: each API's request and answer shapes;
-- `routes_*`: the HTTP routes (sessions, one module per API), `errors`: each API's own error shape;
-- `reaper`: finishing idle sessions as failed.
+- `context`: what one API process keeps per run (tokenizer, engine client, parsers), and external run start;
+- `keys_auth`: session ids and API keys; `errors`: each API's error shape and the session lookup;
+- `wire_common`, `wire_openai`, `wire_anthropic`, `wire_responses`: each API's request and answer shapes;
+- `serving`: running a turn for a route and framing streams (sse-starlette);
+- `routes_sessions`, `routes_openai`, `routes_anthropic`, `routes_responses`: the HTTP routes;
+- `reaper`: finishing idle sessions as failed; `app`: the routers and per-process state for the app factory;
+- `in_rollout`: `ctx.session()`, a native rollout's own session (used by the runtime's executor).
 
-It may import the store, keys, schema, settings, runtime engine client and prompt tokens, and
-`http_errors`; nothing else imports it but the app factory (`rollout_buffer.api`).
+It may import the store, keys, schema, settings, access, run policy, the runtime's engine client, prompt
+tokens and tokenizers, and `http_errors`. Imported by the app factory (`rollout_buffer.api`), and
+`in_rollout` by the runtime's executor (it imports only the store-level modules here).
 """

@@ -83,17 +83,17 @@ async def create_session(run_id: str, body: CreateSession, request: Request) -> 
             "instance_id": session.instance_id, "epoch": session.epoch, "model": ctx.model}
 
 
-def _finish_credential(request: Request, session_id: str) -> str | None:
-    """Who may finish: "token" (the server token, or none configured and none sent), "key" (a key of this
-    session id, to check against the stored digest), or None (refused: 401)."""
+def _finish_credential(request: Request, session_id: str) -> tuple[str, str] | None:
+    """Who may finish: ("token", "") for the server token (or none configured and none sent), ("key", secret)
+    for a key of this session id (its secret still to check against the session), None for anyone else."""
     token = request.app.state.buffer.settings.resolved_auth_token()
     given = keys_auth.key_from_headers(request.headers.get("authorization"), request.headers.get("x-api-key"))
     if given is None:
-        return "token" if token is None else None
+        return ("token", "") if token is None else None
     if token is not None and hmac.compare_digest(given.encode(), token.encode()):
-        return "token"
+        return "token", ""
     parsed = keys_auth.parse_key(given)
-    return "key" if parsed is not None and parsed[0] == session_id else None
+    return ("key", parsed[1]) if parsed is not None and parsed[0] == session_id else None
 
 
 @router.post("/sessions/{session_id}/finish", openapi_extra=json_body(FinishSession))
@@ -108,11 +108,9 @@ async def finish(session_id: str, request: Request) -> Any:
     gw = gateway_of(request)
     run_id = keys_auth.run_of(session_id)
     session = await gw.sessions.get(run_id, session_id) if run_id else None
-    if credential == "key":
-        secret = keys_auth.parse_key(keys_auth.key_from_headers(request.headers.get("authorization"),
-                                                                request.headers.get("x-api-key")) or "")
-        if session is None or secret is None or not keys_auth.key_matches(secret[1], session.key_digest):
-            return refused
+    kind, secret = credential
+    if kind == "key" and (session is None or not keys_auth.key_matches(secret, session.key_digest)):
+        return refused
     if session is None:
         return error_response(404, f"unknown session {session_id!r}")
     body = await parse_body_with(request, FinishSession.model_validate_json)
