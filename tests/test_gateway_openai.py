@@ -3,13 +3,15 @@ the test engine; records are the engine's exact ids, grouped, read and built by 
 
 from __future__ import annotations
 
-from pathlib import Path
+import asyncio
+
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from slime_adapter.buffer_client import ack_batches, fetch_rollout_data
 from slime_adapter.build import build_group_samples
 from tests.gateway_helpers import (
     CALCULATOR,
@@ -19,7 +21,6 @@ from tests.gateway_helpers import (
     finish,
     new_session,
     openai_tool_loop,
-    read_group,
     start_external,
 )
 from tests.helpers import ServerProcess
@@ -55,7 +56,11 @@ def test_openai_tool_loops_make_token_exact_grouped_records(client: httpx.Client
         answer = finish(client, session, reward)
         assert answer["outcome"] in ("stored", "completed")
     assert answer["group_completed"] is True
-    records = read_group(client, run_id, 2)
+    # read as the trainer reads: the adapter's client, packed answer, leased and acknowledged
+    records, meta, _ = asyncio.run(fetch_rollout_data(str(client.base_url), run_id=run_id, lease_s=60,
+                                                      wait_s=10, read_format="packed"))
+    assert len(records) == 2 and meta["finished_groups"] == ["q-17"]
+    asyncio.run(ack_batches(str(client.base_url), [meta["batch_id"]], run_id=run_id))
     by_uid = {r["uid"]: r for r in records}
     for session, messages in sessions:
         record = by_uid[session["session_id"]]
