@@ -181,7 +181,8 @@ class SessionStore:
         pipe.hmget(keys.session_index(run_id), fields)
         pipe.hget(keys.session_nodes(run_id), _count_field(session_id))
         pipe.hget(keys.session_status(run_id), session_id)
-        first, count, status = await pipe.execute()
+        pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)  # in use: not idle while it runs
+        first, count, status, _ = await pipe.execute()
         found = [None if value is None else int(value) for value in first]
         if len(histories) > 1 and found[1] is None:
             found[2:] = await self.lookup(run_id, session_id, "p", histories[1:])
