@@ -5,7 +5,8 @@
 * a slime-style module is handed the server's own write URL (its socket address, not the `Host` header),
   or the client's `remote_buffer_url` only when `--allow-url` allows it: the run's write key goes nowhere
   else;
-* `abort_in_flight` aborts at every engine of the run's list and reports each one.
+* `abort_in_flight` aborts at every engine of the run's list and reports each one;
+* a remote rollout's completion callback outside `--allow-url` is recorded as failed, never sent.
 
 Real parts: a served app with a token and `--allow-url`, three test engines (two allowed, one not) whose
 per-endpoint counters show what reached them.
@@ -17,11 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 
 from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.outbound import abort_targets, buffer_url_for, checked_engine_urls, own_base_url
+from rollout_buffer.remote.callback import CallbackSender
+from rollout_buffer.remote.schema import InitRequest
+from rollout_buffer.remote.settings import RemoteSettings
+from rollout_buffer.remote.state import RemoteStates
+from rollout_buffer.store import Store
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.helpers import REPO, ServerProcess, free_port
 from tests.runtime_helpers import LEGACY_TASKS, RUNTIME_TASKS, arithmetic_rows, wait_status, write_rows
@@ -160,10 +167,31 @@ def test_abort_in_flight_aborts_every_engine_of_the_list_and_reports_each(
     assert client.get("/runs/one-dead").json()["meta"]["policy_version"] == "4", "the version is set regardless"
 
 
+def test_abort_in_flight_rechecks_the_engines_before_anything_changes(engines: dict[str, Any], tmp_path: Path) -> None:
+    """A run started under a wider `--allow-url` than the server now has: its abort is refused by field."""
+    a, b = engines["a"].url, engines["b"].url
+    for engine in engines.values():
+        engine.reset_stats()
+    tasks = ("--task-dir", str(REPO / "tests" / "tasks"))
+    with ServerProcess(tmp_path / "data", *tasks, "--allow-url", a, "--allow-url", b) as wide, \
+            httpx.Client(base_url=wide.url, timeout=30) as client:
+        body = legacy_body(tmp_path, task_type="external", run_id="narrowed", remote_engine_url=[a, b])
+        assert client.post("/start_rollout", json=body).status_code == 200
+    with ServerProcess(tmp_path / "data", *tasks, "--allow-url", a) as narrow, \
+            httpx.Client(base_url=narrow.url, timeout=30) as client:
+        answer = client.post("/policy_version", json={"run_id": "narrowed", "version": 5, "abort_in_flight": True})
+        assert_refused(answer, "remote_engine_url")
+        assert b in answer.json()["message"]
+        assert client.get("/runs/narrowed").json()["meta"].get("policy_version") != "5", "the version is unchanged"
+    assert reached(engines["a"]) == {} and reached(engines["b"]) == {}, "no engine was called"
+
+
 def test_outbound_units() -> None:
     policy = AccessPolicy(roots=(Path("/"),), allowed_urls=("http://e:1", "http://buf:2/b"))
     assert checked_engine_urls(policy, "http://e:1/, http://e:1/v1") == ("http://e:1", "http://e:1/v1")
     assert abort_targets(policy, ["http://e:1"]) == ("http://e:1/abort_request",)
+    with pytest.raises(AccessDenied, match="--allow-url"):
+        abort_targets(policy, "http://e:1 http://f:1")
     for bad, status in (("http://e:1 http://f:1", 403), ("http://e:1,ftp://e:1", 400), ("http://e:1/?q=1", 400)):
         with pytest.raises(AccessDenied) as denied:
             checked_engine_urls(policy, bad)
@@ -179,3 +207,20 @@ def test_outbound_units() -> None:
     assert own_base_url(("10.0.0.5", 8889), "http://ignored") == "http://10.0.0.5:8889"
     assert own_base_url(("::1", 8889), "http://ignored") == "http://[::1]:8889"
     assert own_base_url(None, "http://fallback:1/") == "http://fallback:1"
+
+
+@pytest.mark.parametrize("redis_store", ["embedded"], indirect=True)
+async def test_a_callback_outside_allow_url_is_recorded_failed_and_never_sent(
+        redis_store: Store, elsewhere: tuple[str, list[str]]) -> None:
+    other, seen = elsewhere
+    states = RemoteStates(redis_store.redis)
+    init = InitRequest(rollout_id="cb-1", server_url=other, messages=[{"role": "user", "content": "x"}],
+                       tokenizer_name="t", task_type="remote_calculator")
+    assert await states.claim(init, "owner-a")
+    policy = AccessPolicy(roots=(Path("/"),), allowed_urls=("http://127.0.0.1:9",))
+    async with aiohttp.ClientSession() as session:
+        sender = CallbackSender(session, states, RemoteSettings(), "owner-a", access=policy)
+        assert not await sender.deliver("cb-1", other, {"rollout_id": "cb-1"})
+    state = await states.get("cb-1")
+    assert state is not None and state["callback_status"] == "failed", state
+    assert "--allow-url" in state["callback_error"] and seen == []
