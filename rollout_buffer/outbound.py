@@ -1,23 +1,23 @@
 """Every URL the server calls, or hands to a task module to call, and the check each one passes.
 
-This table is the list; README "Running on a network" repeats it for operators. `--allow-url` is
+This is the list; README "Running on a network" repeats it for operators. `--allow-url` is
 `rollout_buffer.access.AccessPolicy.url`; no prefix configured means any URL.
 
-| call                                                | made by                      | governed by                   |
-|-----------------------------------------------------|------------------------------|-------------------------------|
-| `POST {engine}/generate`                            | `runtime.sglang_client`      | every engine of               |
-| `POST {engine}/v1/chat/completions`                 | `runtime.chat_client`        | `remote_engine_url`, parsed   |
-| `POST {engine}/abort_request` (one rid)             | `runtime.sglang_client`      | by `parse_engine_urls` and    |
-| `remote_engine_url` handed to a slime-style module  | the module                   | checked one by one at         |
-|                                                     |                              | `/start_rollout` (403)        |
-| `POST {engine}/abort_request` (`abort_all`), every  | `routes.policy`              | the same parse, checked again |
-| engine of the run                                   | (`abort_in_flight`)          | at the call (`abort_targets`) |
-| `{remote_buffer_url}/runs/<id>[/cap/<key>]` handed  | the module (`/buffer/write`) | `buffer_url_for`: the server's|
-| to a slime-style module                             |                              | own address unless the client |
-|                                                     |                              | names one under `--allow-url` |
-| `POST {server_url}/v1/chat/completions`             | `remote.engine`              | `/init`'s `server_url` (403)  |
-| `POST {server_url}/v1/rollout/completed`            | `remote.callback`            | checked before each delivery  |
-| Hugging Face hub (tokenizer files)                  | `runtime.tokenizers`         | `--allow-hub-downloads`       |
+* `POST {engine}/generate` (`runtime.sglang_client`), `POST {engine}/v1/chat/completions`
+  (`runtime.chat_client`), `POST {engine}/abort_request` for one rid (`runtime.sglang_client`), and the
+  `remote_engine_url` handed to a slime-style module (`runtime.legacy`): every engine of
+  `remote_engine_url`, split by `parse_engine_urls` and checked one by one by `checked_engine_urls`, at
+  `/start_rollout` (`runs.validate_start`, 403) and by a worker before it serves a run
+  (`runtime.worker.load_handle`).
+* `POST {engine}/abort_request` with `abort_all`, at every engine of the run (`routes.policy`,
+  `abort_in_flight`): the same split and check, again at the call (`abort_targets`).
+* `{remote_buffer_url}/runs/<id>[/cap/<key>]`, handed to a slime-style module, which posts
+  `.../buffer/write` (`runtime.service`, `runtime.legacy`): `buffer_url_for`, the server's own address
+  unless the client names one at it or under `--allow-url`.
+* `POST {server_url}/v1/chat/completions` (`remote.engine`): `/init`'s `server_url`, checked by
+  `remote.service.refusal` (403).
+* `POST {server_url}/v1/rollout/completed` (`remote.callback`): checked before each delivery.
+* the Hugging Face hub, for tokenizer files (`runtime.tokenizers`): `--allow-hub-downloads`.
 
 The server makes no other call: no health or model-info probe of an engine. `rollout-buffer status` and
 the slime adapter are clients of the server, not calls it makes.

@@ -28,7 +28,11 @@ from rollout_buffer.remote.callback import CallbackSender
 from rollout_buffer.remote.schema import InitRequest
 from rollout_buffer.remote.settings import RemoteSettings
 from rollout_buffer.remote.state import RemoteStates
+from rollout_buffer.runtime.worker import load_handle
+from rollout_buffer.schema import StartRolloutRequest
+from rollout_buffer.settings import Settings
 from rollout_buffer.store import Store
+from rollout_buffer.tasks import discover
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.helpers import REPO, ServerProcess, free_port
 from tests.runtime_helpers import LEGACY_TASKS, RUNTIME_TASKS, arithmetic_rows, wait_status, write_rows
@@ -224,3 +228,15 @@ async def test_a_callback_outside_allow_url_is_recorded_failed_and_never_sent(
     state = await states.get("cb-1")
     assert state is not None and state["callback_status"] == "failed", state
     assert "--allow-url" in state["callback_error"] and seen == []
+
+
+@pytest.mark.parametrize("redis_store", ["embedded"], indirect=True)
+async def test_a_worker_serves_no_run_with_an_engine_outside_its_allow_url(redis_store: Store) -> None:
+    """A run stored under a wider `--allow-url` (a restart with a narrower one): its workers do not call."""
+    config = StartRolloutRequest(task_type="math", input_file="x", remote_engine_url="http://a:1 http://b:2",
+                                 engine_api="chat").model_dump()
+    await redis_store.create_run("w-run", config, group_size=1, num_epoch=1, task_type="math")
+    registry = discover()
+    wide = await load_handle(redis_store, registry, Settings(allow_url=["http://a:1", "http://b:2"]), "w-run")
+    assert wide is not None and wide.options.engine_urls == ("http://a:1", "http://b:2")
+    assert await load_handle(redis_store, registry, Settings(allow_url=["http://a:1"]), "w-run") is None
