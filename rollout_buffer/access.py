@@ -10,7 +10,8 @@ network that is a way to read the server's files or to make it call hosts of the
 * a tokenizer name that is not a local path is a Hugging Face hub name; it is loaded from the local cache
   only, unless `--allow-hub-downloads`.
 * `--allow-url PREFIX` (repeatable) restricts the URLs the server calls: a URL is allowed when its scheme,
-  host and port equal a prefix's and its path lies under the prefix's path. No prefix = any URL.
+  host and port equal a prefix's and its path lies under the prefix's path. No prefix = any URL. Which
+  URLs are checked where: `rollout_buffer.outbound`.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from rollout_buffer import handover, keys
 from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.input_file import InputFileError, iter_lines
 from rollout_buffer.input_keys import InputKeyError, InputKeys, normalise
+from rollout_buffer.outbound import buffer_url_for, checked_engine_urls
 from rollout_buffer.run_policy import PolicyError, RunPolicy
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.store import Store
@@ -101,10 +102,12 @@ def derive_run_id(request: StartRolloutRequest) -> str:
 
 
 def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
-                   access: AccessPolicy | None = None) -> TaskModule:
+                   access: AccessPolicy | None = None, own_url: str = "") -> TaskModule:
     """Check what pydantic cannot: the task exists, the input file is a readable file under the input
-    roots (it is replaced by its real path, so every later read opens the file that was checked), the
-    engine URL is one the server may call. `access` defaults to the current directory as the only root."""
+    roots (it is replaced by its real path, so every later read opens the file that was checked), every
+    engine URL is one the server may call, and a slime-style module's buffer URL is the server's own
+    (`own_url`) or one `--allow-url` allows (`rollout_buffer.outbound`). `access` defaults to the current
+    directory as the only root."""
     task = registry.get(request.task_type)
     if task is None:
         known = ", ".join(sorted(registry.tasks)) or "none"
@@ -114,8 +117,9 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
     access = access or AccessPolicy(roots=(Path.cwd().resolve(),))
     try:
         request.input_file = access.input_file(request.input_file)
-        if request.remote_engine_url:
-            access.url("remote_engine_url", request.remote_engine_url)
+        checked_engine_urls(access, request.remote_engine_url)
+        if task.kind == "legacy":  # the module is handed the URL with the run's write key in it
+            request.remote_buffer_url = buffer_url_for(access, request.remote_buffer_url, own_url)
     except AccessDenied as exc:
         raise StartRolloutError(exc.field, str(exc), exc.status_code) from exc
     return task
@@ -200,10 +204,12 @@ def trained_groups(request: StartRolloutRequest, handed: set[str]) -> set[str]:
 
 
 async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutRequest,
-                    runtime: Runtime | None = None, access: AccessPolicy | None = None) -> RunSpec:
+                    runtime: Runtime | None = None, access: AccessPolicy | None = None,
+                    own_url: str = "") -> RunSpec:
     """Create (or find) the run, record what was trained, make it the active run. Launching is the
-    caller's. Everything that can refuse the request runs before anything is stored."""
-    task = validate_start(request, registry, access)
+    caller's. Everything that can refuse the request runs before anything is stored. `own_url`: the
+    server's own address, what a slime-style module writes to unless the body names an allowed URL."""
+    task = validate_start(request, registry, access, own_url)
     try:
         policy = RunPolicy.from_request(request, task.kind)
     except PolicyError as exc:

@@ -10,6 +10,7 @@ from rollout_buffer import handover, retention
 from rollout_buffer.app_state import state_of
 from rollout_buffer.failures import failure_summary
 from rollout_buffer.http_errors import error_response
+from rollout_buffer.outbound import own_base_url
 from rollout_buffer.runs import StartRolloutError, start_run
 from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.schema import StartRolloutRequest
@@ -21,10 +22,11 @@ router = APIRouter()
 async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
     """Start a run (or find the same one already running) and launch its rollouts."""
     state = state_of(request)
-    if not body.remote_buffer_url:  # legacy task modules write back to us; tell them where
-        body.remote_buffer_url = str(request.base_url).rstrip("/")
+    # slime-style modules write back to us (never to the Host header's choice) or to an allowed URL
+    own_url = own_base_url(request.scope.get("server"), str(request.base_url))
     try:
-        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access)
+        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access,
+                               own_url=own_url)
         await state.runtime.launch(spec)
     except StartRolloutError as exc:
         return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
