@@ -237,6 +237,8 @@ def test_the_redirect_after_the_token_stays_on_this_server(server: ServerProcess
             assert not any(c in location for c in "\\\t\r\n "), (path, location)
             target = urlsplit(urljoin(f"{server.url}{path}", location))
             assert (target.scheme, target.netloc) == ("http", f"127.0.0.1:{server.port}"), (path, location)
+            if path == "//evil.example":
+                assert location == "/evil.example", location
         assert same_origin_path("/") == "/" and same_origin_path("/runs/a b") == "/runs/a%20b"
 
 
