@@ -18,7 +18,9 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -31,6 +33,8 @@ from tests.process_tools import wait_for
 README = (REPO / "README.md").read_text()
 MARKER = re.compile(r"<!-- walkthrough: (?P<name>[\w-]+) -->\n```bash\n(?P<body>.*?)\n```", re.DOTALL)
 BLOCKS = {m["name"]: m["body"] for m in MARKER.finditer(README)}
+# the Task modules section's example, which the first run tells the reader to copy
+QA_TASK = re.search(r"```python\n(# my_tasks/qa_generator\.py .*?)\n```", README, re.DOTALL)
 
 
 def block(name: str, **ports: int) -> str:
@@ -93,29 +97,72 @@ def test_the_demo_runs_against_the_server_the_dashboard_shows(clone: Path, serve
 
 @pytest.mark.timeout(240)
 def test_a_first_run_against_the_test_engine(clone: Path, server: ServerProcess) -> None:
-    engine_port = free_port()
-    engine = subprocess.Popen(["bash", "-c", block("first-run-engine", engine=engine_port)], cwd=clone,
+    with running_test_engine(clone) as engine_port:
+        run_id, groups, samples = first_run(clone, server, engine_port)
+    assert groups >= 1 and 1 <= samples <= 4 * groups  # a group whose rollouts all failed has none
+    detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
+    assert detail["enqueue"]["tasks_total"] == 8 * 4, "examples/math.jsonl: 8 prompts x 4 repeats"
+
+
+@contextmanager
+def running_test_engine(clone: Path) -> Iterator[int]:
+    """The first run's `rollout-buffer test-engine` block, running on a free port; yields the port."""
+    port = free_port()
+    engine = subprocess.Popen(["bash", "-c", block("first-run-engine", engine=port)], cwd=clone,
                               env=env_for(clone), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
         assert engine.stdout is not None
         first_line = engine.stdout.readline()
         assert '"tokenizer_path": "test:qwen2.5"' in first_line, first_line
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{engine_port}/get_model_info", timeout=2).status_code == 200,
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=2).status_code == 200,
                  timeout_s=30, what="the test engine")
-        done = subprocess.run(["bash", "-c", block("first-run-start", buffer=server.port, engine=engine_port)],
-                              cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=120)
+        yield port
     finally:
         os.killpg(engine.pid, signal.SIGTERM)
         engine.wait(timeout=30)
+
+
+def first_run(clone: Path, server: ServerProcess, engine_port: int, task_type: str = "math") -> tuple[str, int, int]:
+    """The first run's start-and-read block (with another `task_type` where the README says to send one):
+    (run id, groups, samples) as it printed them."""
+    text = block("first-run-start", buffer=server.port, engine=engine_port)
+    text = text.replace('"task_type": "math"', f'"task_type": "{task_type}"')
+    done = subprocess.run(["bash", "-c", text], cwd=clone, env=env_for(clone), capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     started = re.search(r'"run_id":\s*"([^"]+)"', done.stdout)
     read = re.search(r"^(\d+) groups, (\d+) samples$", done.stdout, re.M)
     assert started and read, done.stdout
-    run_id, groups, samples = started[1], int(read[1]), int(read[2])
-    assert groups >= 1 and 1 <= samples <= 4 * groups, read[0]  # a group whose rollouts all failed has none
-    detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
-    assert detail["enqueue"]["tasks_total"] == 8 * 4, "examples/math.jsonl: 8 prompts x 4 repeats"
+    return started[1], int(read[1]), int(read[2])
+
+
+@pytest.mark.timeout(240)
+def test_a_task_written_from_the_readme_runs_against_the_test_engine(clone: Path) -> None:
+    assert QA_TASK, "the Task modules section's qa example"
+    (clone / "my_tasks").mkdir(exist_ok=True)
+    (clone / "my_tasks" / "qa_generator.py").write_text(QA_TASK[1] + "\n")
+    env = env_for(clone, ROLLOUT_BUFFER_INPUT_ROOT=str(clone))
+    with ServerProcess(Path("qa-data"), "--task-dir", "my_tasks", cwd=clone, env=env) as server, \
+            running_test_engine(clone) as engine_port:
+        assert "qa" in httpx.get(f"{server.url}/tasks", timeout=30).json()["tasks"]
+        run_id, groups, samples = first_run(clone, server, engine_port, task_type="qa")
+        assert groups >= 1 and 1 <= samples <= 4 * groups
+
+        def finished() -> dict[str, Any] | None:
+            detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
+            return detail if detail["tasks"]["done"] + detail["tasks"]["failed"] >= 8 * 4 else None
+
+        detail = wait_for(finished, timeout_s=120, what="every rollout of the qa run")
+    assert detail["tasks"]["done"] == 8 * 4, detail["failures"]
+
+
+def test_an_unknown_test_tokenizer_is_refused_naming_the_choices(server: ServerProcess) -> None:
+    body = {"task_type": "math", "input_file": "examples/math.jsonl", "remote_engine_url": "http://127.0.0.1:9",
+            "tokenizer_path": "test:llama"}
+    answer = httpx.post(f"{server.url}/start_rollout", json=body, timeout=30)
+    assert answer.status_code == 400 and "test:qwen2.5" in answer.json()["message"], answer.text
+    assert "tokenizer_path" in answer.json()["message"]
 
 
 @pytest.mark.timeout(420)
