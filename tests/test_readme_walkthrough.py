@@ -113,8 +113,8 @@ def running_test_engine(clone: Path) -> Iterator[int]:
                               start_new_session=True)
     try:
         assert engine.stdout is not None
-        first_line = engine.stdout.readline()
-        assert '"tokenizer_path": "test:qwen2.5"' in first_line, first_line
+        printed = engine.stdout.readline() + engine.stdout.readline()
+        assert "listening on" in printed and '"tokenizer_path": "test:qwen2.5"' in printed, printed
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=2).status_code == 200,
                  timeout_s=30, what="the test engine")
         yield port
