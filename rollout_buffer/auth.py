@@ -24,10 +24,13 @@ import hmac
 import ipaddress
 import os
 import re
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, quote, urlencode
 
 import orjson
-from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:  # types only: the trainer side imports this module and installs no starlette
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health"})
 CAPABILITY_PATH = re.compile(r"^/runs/(?P<run_id>[^/]+)/cap/(?P<key>[0-9a-f]{64})/buffer/write$")

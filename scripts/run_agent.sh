@@ -12,7 +12,8 @@
 #   --loss-mask-type $LOSS_MASK_TYPE
 # The buffer reads each run's input file itself, so its input roots (--input-root, README "Input roots";
 # printed at start) are the working directory, the folders of the training command's --prompt-data and
-# --eval-prompt-data files (`--flag value` or `--flag=value`), and any folders in ROLLOUT_BUFFER_INPUT_ROOT.
+# --eval-prompt-data files and its --hf-checkpoint folder (whose tokenizer the buffer loads), each as
+# `--flag value` or `--flag=value`, and any folders in ROLLOUT_BUFFER_INPUT_ROOT.
 # The buffer is stopped when training ends, fails or is interrupted; the exit status is training's
 # (130 / 143 after SIGINT / SIGTERM, 1 when the buffer does not come up).
 #
@@ -61,13 +62,16 @@ if [[ -n "${ROLLOUT_BUFFER_INPUT_ROOT:-}" ]]; then  # the flags below would over
     IFS=':' read -r -a env_roots <<< "$ROLLOUT_BUFFER_INPUT_ROOT"
     for dir in "${env_roots[@]}"; do [[ -z "$dir" ]] || add_root "$dir"; done
 fi
-# slime: --prompt-data PATH; --eval-prompt-data PATH or NAME PATH [NAME PATH ...] (a name adds the working dir)
+# slime: --prompt-data PATH; --eval-prompt-data PATH or NAME PATH [NAME PATH ...] (a name adds the working dir);
+# --hf-checkpoint DIR (the folder itself: the buffer loads the run's tokenizer from it)
 i=0
 while ((i < ${#train[@]})); do
     arg="${train[i]}"; i=$((i + 1))
     case "$arg" in
         --prompt-data=*|--eval-prompt-data=*) add_root "$(dirname -- "${arg#*=}")" ;;
+        --hf-checkpoint=*) add_root "${arg#*=}" ;;
         --prompt-data) if ((i < ${#train[@]})); then add_root "$(dirname -- "${train[i]}")"; i=$((i + 1)); fi ;;
+        --hf-checkpoint) if ((i < ${#train[@]})); then add_root "${train[i]}"; i=$((i + 1)); fi ;;
         --eval-prompt-data)
             while ((i < ${#train[@]})) && [[ "${train[i]}" != -* ]]; do
                 add_root "$(dirname -- "${train[i]}")"; i=$((i + 1))

@@ -119,12 +119,14 @@ print(json.dumps(answers), flush=True)
 
 def test_the_training_commands_data_folders_are_input_roots(tmp_path: Path) -> None:
     """`--prompt-data /datasets/train.jsonl` (and the eval files, either spelling) outside the working directory
-    can be read by the buffer; a file in no named folder still cannot."""
+    can be read by the buffer, and so can the `--hf-checkpoint` folder (its tokenizer); a file in no named
+    folder still cannot."""
     rows = [{"instance_id": "p0", "prompt": "prompt 0"}]
     checkout = tmp_path / "slime"
     checkout.mkdir()
     files = {name: write_jsonl_file(tmp_path / name, rows) for name in
-             ("datasets/train.jsonl", "evals/aime.jsonl", "evals-b/gsm8k.jsonl", "evals-c/math.jsonl", "outside/x.jsonl")}
+             ("datasets/train.jsonl", "evals/aime.jsonl", "evals-b/gsm8k.jsonl", "evals-c/math.jsonl", "models/qwen/x.jsonl",
+              "outside/x.jsonl")}
     local = write_jsonl_file(checkout / "local.jsonl", rows)
     env = {**script_env(tmp_path, free_port()),
            "ROLLOUT_BUFFER_TASK_DIR": f"{REPO / 'tests' / 'tasks'}:{REPO / 'tests' / 'legacy_tasks'}"}
@@ -132,7 +134,8 @@ def test_the_training_commands_data_folders_are_input_roots(tmp_path: Path) -> N
                "--prompt-data", str(files["datasets/train.jsonl"]),
                "--eval-prompt-data", "aime", str(files["evals/aime.jsonl"]),
                "gsm8k", str(files["evals-b/gsm8k.jsonl"]),
-               f"--eval-prompt-data={files['evals-c/math.jsonl']}", "--files", *map(str, files.values()), str(local)]
+               f"--eval-prompt-data={files['evals-c/math.jsonl']}",
+               "--hf-checkpoint", str(files["models/qwen/x.jsonl"].parent), "--files", *map(str, files.values()), str(local)]
     done = subprocess.run(command, check=False, env=env, cwd=checkout, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     answers = json.loads(done.stdout.strip().splitlines()[-1])
@@ -142,12 +145,15 @@ def test_the_training_commands_data_folders_are_input_roots(tmp_path: Path) -> N
     assert roots.rsplit(": ", 1)[1].split() == [str(checkout), *(str(path.parent) for path in files.values())]
 
     spelled = [str(SCRIPT), "--", sys.executable, "-c", START_RUNS, f"--prompt-data={files['datasets/train.jsonl']}",
-               "--files", str(files["datasets/train.jsonl"]), str(files["evals/aime.jsonl"]), outside]
+               f"--hf-checkpoint={files['models/qwen/x.jsonl'].parent}",
+               "--files", str(files["datasets/train.jsonl"]), str(files["evals/aime.jsonl"]), outside,
+               str(files["models/qwen/x.jsonl"])]
     env["ROLLOUT_BUFFER_INPUT_ROOT"] = str(Path(outside).parent)  # its folders stay roots beside the flags
     again = subprocess.run(spelled, check=False, env=env, cwd=checkout, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1]) == {str(files["datasets/train.jsonl"]): 200,
-                                                                 str(files["evals/aime.jsonl"]): 403, outside: 200}
+                                                                 str(files["evals/aime.jsonl"]): 403, outside: 200,
+                                                                 str(files["models/qwen/x.jsonl"]): 200}
 
 
 def write_jsonl_file(path: Path, rows: list[dict[str, str]]) -> Path:
