@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--processes", dest="worker_processes", type=int,
                         help="worker processes (default: one per core, at most 8)")
     worker.add_argument("--workers", type=int, help="rollout loops per worker process (default 1)")
+    worker.add_argument("--allow-url", action="append",
+                        help="URL prefix this worker's rollouts may call (repeatable; default: any): a run whose "
+                             "engines lie outside is left alone, as `serve --allow-url` refuses it")
 
     sub.add_parser("status", help="show runs, progress and rates of a running buffer (--watch to follow)",
                    add_help=False)

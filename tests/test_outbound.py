@@ -240,3 +240,11 @@ async def test_a_worker_serves_no_run_with_an_engine_outside_its_allow_url(redis
     wide = await load_handle(redis_store, registry, Settings(allow_url=["http://a:1", "http://b:2"]), "w-run")
     assert wide is not None and wide.options.engine_urls == ("http://a:1", "http://b:2")
     assert await load_handle(redis_store, registry, Settings(allow_url=["http://a:1"]), "w-run") is None
+
+
+def test_the_worker_command_takes_allow_url_like_serve() -> None:
+    """`rollout-buffer worker --allow-url` (not only ROLLOUT_BUFFER_ALLOW_URL) narrows the worker's calls."""
+    from rollout_buffer.cli import build_parser, settings_from
+
+    args = build_parser().parse_args(["worker", "--allow-url", "http://a:1", "--allow-url", "http://b:2/v1"])
+    assert settings_from(args).allow_url == ["http://a:1", "http://b:2/v1"]
