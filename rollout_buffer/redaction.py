@@ -31,12 +31,13 @@ _SCALARS = (int, float, bool, type(None))
 
 
 def _redact_query(match: re.Match[str]) -> str:
-    """The query with the value of each parameter named `token` (once decoded) replaced. A `?` that is part
-    of the path counts as a separator too, so no parameter hides behind one."""
+    """The query with the value of each parameter named `token` (once decoded, in any case: `?TOKEN=` does
+    not authenticate, but a mistyped name still carries the secret) replaced. A `?` that is part of the path
+    counts as a separator too, so no parameter hides behind one."""
     parts = _QUERY_SEPARATOR.split(match.group(0))
     for i in range(0, len(parts), 2):
         name, equals, _ = parts[i].partition("=")
-        if equals and unquote_plus(name) == TOKEN_PARAMETER:
+        if equals and unquote_plus(name).lower() == TOKEN_PARAMETER:
             parts[i] = f"{name}={REDACTED}"
     return "".join(parts)
 

@@ -249,6 +249,8 @@ def test_redaction_units() -> None:
         assert unquote_plus(name) == "token"
         assert redact(f"/?{name}={TOKEN}") == f"/?{name}=<redacted>", name
     assert redact(f"/a%3Fb?x?token={TOKEN}&y=1") == "/a%3Fb?x?token=<redacted>&y=1", "a '?' hides no parameter"
+    for name in ("TOKEN", "Token", "%54oken"):  # not accepted as the token, but its value is the secret all the same
+        assert redact(f"/?{name}={TOKEN}") == f"/?{name}=<redacted>", name
     assert redact("/?tokens=1&xtoken=2") == "/?tokens=1&xtoken=2", "other parameters stay"
     once = redact(f'"GET /runs/r/cap/{key}/buffer/write?token={TOKEN}&a=1 HTTP/1.1" 200')
     assert once == '"GET /runs/r/cap/<redacted>/buffer/write?token=<redacted>&a=1 HTTP/1.1" 200' == redact(once)
