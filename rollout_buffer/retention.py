@@ -1,9 +1,17 @@
 """Runs go away: `DELETE /runs/{id}`, and the retention policy (`--retain-runs`, `--run-ttl-s`).
 
-Deleting a run first marks it `deleted` (its workers stop at their next step, its tasks are acknowledged
-without running, its late writes are refused), then unlinks every key of `keys.run_keys`: no script
-re-creates a run's keys once its meta is gone. Retention only ever deletes *retired* runs: superseded or
-failed ones, and finished ones with nothing left for a reader (no incomplete, ready or leased group).
+Deleting a run unlinks every key of `keys.run_keys` in one script: its workers stop at their next step,
+its tasks are acknowledged without running, its late writes are refused, and no script re-creates a run's
+keys once its meta is gone. Retention only ever deletes *retired* runs: superseded or failed ones, and
+finished ones with nothing left for a reader (no incomplete, ready or leased group).
+
+A superseded run is one link of a chain `<id>` -> `<id>.r1` -> ...: `/start_rollout` follows it to the
+newest generation, and that generation alone knows what was handed over. So deleting a superseded run keeps
+a tombstone: its meta with only `status: deleted`, `superseded_by` and when and why. The chain still leads
+to the live generation (a start of `<id>` resumes it instead of creating `<id>` afresh and handing its
+groups over again), reads and writes of the deleted id answer 409 naming the successor, and every script
+treats the run as gone. A tombstone is a few fields; it is not in the run index, so no listing or
+retention pass sees it.
 """
 
 from __future__ import annotations
@@ -14,6 +22,17 @@ from dataclasses import dataclass
 
 from rollout_buffer import handover, keys
 from rollout_buffer.store import Store, text
+
+# KEYS: every key of the run, its meta first. ARGV: 1 now. Unlinks them all; a superseded run's meta comes
+# back as its tombstone. Returns 1 when a tombstone was kept.
+DELETE_RUN = """
+local link = redis.call('HMGET', KEYS[1], 'superseded_by', 'superseded_reason', 'superseded_at', 'created_at')
+redis.call('UNLINK', unpack(KEYS))
+if not link[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'deleted', 'deleted_at', ARGV[1], 'superseded_by', link[1],
+           'superseded_reason', link[2] or '', 'superseded_at', link[3] or '', 'created_at', link[4] or '')
+return 1
+"""
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +45,14 @@ class RunAge:
 
 
 async def delete_run(store: Store, run_id: str) -> bool:
-    """Remove every key of the run; False when no such run exists."""
+    """Remove every key of the run (a superseded one leaves its tombstone); False when no such run exists."""
     if not await store.run_exists(run_id):
         return False
-    await store.redis.hset(keys.run_meta(run_id), mapping={"status": "deleted", "deleted_at": time.time()})
-    await store.redis.unlink(*keys.run_keys(run_id))
+    tombstone = await store.redis.register_script(DELETE_RUN)(keys=keys.run_keys(run_id), args=[time.time()])
     await store.redis.hdel(keys.RUNS, run_id)
     if await store.active_run() == run_id:
         await store.redis.delete(keys.ACTIVE_RUN)
-    log.info("run %s deleted", run_id)
+    log.info("run %s deleted%s", run_id, " (its tombstone keeps the link to its successor)" if int(tombstone) else "")
     return True
 
 
