@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from rollout_buffer import handover, keys
+from rollout_buffer import handover, keys, retention
 from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.input_file import InputFileError, iter_lines
 from rollout_buffer.input_keys import InputKeyError, InputKeys, normalise
@@ -214,14 +214,18 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     base_id = request.run_id or derive_run_id(request)
     run_id, generation = await _current_generation(store, base_id)
     exists = await store.run_exists(run_id)
-    handed = await store.handed_groups(run_id) if exists else set()
+    # a run retention deleted keeps its handed and skip sets under a tombstone (`retention`): it comes back
+    handed = await store.handed_groups(run_id)
     trained = trained_groups(request, handed) if names_trained_groups(request) else set()
-    if exists and names_trained_groups(request):
+    if handed and names_trained_groups(request):
         untrained = handed - trained
         if untrained:
             successor = f"{base_id}.r{generation + 1}"
-            await store.supersede(run_id, successor, reason=f"{len(untrained)} handed-over group(s) missing "
-                                                             "from what the trainer says it trained")
+            reason = f"{len(untrained)} handed-over group(s) missing from what the trainer says it trained"
+            if exists:
+                await store.supersede(run_id, successor, reason=reason)
+            else:
+                await retention.retire_tombstone(store, run_id, successor, reason)
             log.warning("run %s superseded by %s: %d group(s) were handed over to a trainer that does not have "
                         "them; the new generation rolls out everything the trainer has not trained",
                         run_id, successor, len(untrained))
