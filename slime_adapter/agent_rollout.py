@@ -354,13 +354,15 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
             _check_acks(meta)
         if records or meta.get("finished_groups"):
             failures = 0
+            # acknowledged even when building fails (its keys are in the metadata: the batch is consumed);
+            # its lease is renewed meanwhile, so building may take longer than the lease
+            if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
+                state.pending_acks.append(str(meta["batch_id"]))
+                state.leases.keep(settings.buffer_url, settings.lease_s,
+                                  lambda: (state.run_id, list(state.pending_acks)))
             try:
-                step.accept(records, meta)
-            finally:  # its keys are in the metadata even when building failed: the batch is consumed
-                if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
-                    state.pending_acks.append(str(meta["batch_id"]))
-                    state.leases.keep(settings.buffer_url, settings.lease_s,
-                                      lambda: (state.run_id, list(state.pending_acks)))
+                await asyncio.to_thread(step.accept, records, meta)  # the loop keeps renewing meanwhile
+            finally:
                 batch_id = _new_batch_id()
             state.health.observe(meta)
             await state.health.check(settings.buffer_url, state.run_id, settings.max_failed_groups, where)
