@@ -268,6 +268,9 @@ def test_a_checkpoint_missing_handed_groups_supersedes_the_run(client: httpx.Cli
         assert run_id not in client.get("/runs").json()["runs"]
     else:
         assert detail(client, run_id)["drops"]["run_superseded"] == 1
+        assert client.delete(f"/runs/{run_id}").status_code == 200
+        gone = client.post("/get_rollout_data", json={"run_id": run_id})
+        assert gone.status_code == 409 and gone.json()["superseded_by"] == successor, "DELETE keeps the link"
     for epoch, iid, stored in ((0, "i0", False), (0, "i1", True), (0, "i2", True), (1, "i0", True)):
         assert client.post("/buffer/write", json=make_record(iid, epoch=epoch)).json()["success"] is stored, (epoch, iid)
     assert client.get("/runs").json()["active_run"] == successor
