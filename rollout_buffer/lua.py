@@ -13,7 +13,7 @@ for good (handed over, acknowledged, dropped, requeued, timed out) counts in `gr
 half of the runtime's admission rule (`rollout_buffer.runtime.taskqueue`).
 """
 
-from rollout_buffer.lua_leases import LEASE_FUNCTIONS, RENEW_LEASE
+from rollout_buffer.lua_leases import ACK_BODY, LEASE_FUNCTIONS, RENEW_LEASE, SET_LEASE_OUTCOME
 from rollout_buffer.lua_tasks import EXTEND_GROUPS, TASK_FUNCTIONS
 
 __all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "INCR_STATS", "READ_READY",
@@ -321,75 +321,8 @@ for i = 1, #groups do out[#out + 1] = groups[i] end
 return out
 """
 
-# KEYS: 1 leases 2 lease_data 3 settled 4 records 5 gsize 6 members 7 handed 8 stats 9 gversion 10 meta
-#       11 tasks 12 lines 13 skip 14 closed 15 lease_expired 16 glease 17 ready
-# ARGV: 1 batch_id 2 now
-# Ends a lease for good: its groups are deleted and marked handed over, what the reader decided for them
-# (stored with the lease by SET_LEASE_OUTCOME: counters, groups a filter dropped) is counted now, those
-# dropped groups are replaced from the prompt stream, and filtered groups free admission at once. A lease
-# that ran out is acknowledged all the same when nobody took its groups from the ready list since
-# (`lua_leases.reclaim_expired`, counted `late_acks_accepted`); otherwise the ack is refused (`expired`,
-# counted `late_acks`). Returns {outcome, groups, groups added}: acked | already_acked | expired | unknown.
-ACK_BATCH = _GROUP_FUNCTIONS + TASK_FUNCTIONS + LEASE_FUNCTIONS + """
-local bid = ARGV[1]
-local raw = redis.call('HGET', KEYS[2], bid)
-if not raw then
-  local settled = redis.call('ZSCORE', KEYS[3], bid)
-  if settled and tonumber(settled) > 0 then return {'already_acked', 0, 0} end
-  if not settled then return {'unknown', 0, 0} end
-  raw = reclaim_expired(KEYS[15], KEYS[16], KEYS[17], bid)
-  if not raw then
-    redis.call('HINCRBY', KEYS[8], 'late_acks', 1)
-    return {'expired', 0, 0}
-  end
-  redis.call('HINCRBY', KEYS[8], 'late_acks_accepted', 1)
-end
-local lease = cjson.decode(raw)
-local samples = 0
-for _, gid in ipairs(lease['groups']) do
-  samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
-  redis.call('SADD', KEYS[7], gid)
-  redis.call('HDEL', KEYS[16], gid)
-end
-redis.call('HINCRBY', KEYS[8], 'groups_handed', #lease['groups'])
-redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
-redis.call('HINCRBY', KEYS[8], 'groups_consumed', #lease['groups'])
-redis.call('HINCRBY', KEYS[8], 'batches_acked', 1)
-local filtered = tonumber(lease['filtered'] or 0)
-if filtered > 0 then
-  redis.call('HINCRBY', KEYS[8], 'groups_filtered', filtered)
-  redis.call('HINCRBY', KEYS[8], 'drop:filtered_group', filtered)
-end
-local hook_errors = tonumber(lease['hook_errors'] or 0)
-if hook_errors > 0 then
-  redis.call('HINCRBY', KEYS[8], 'drop:hook_error', hook_errors)
-end
-if type(lease['counts']) == 'table' then
-  for name, amount in pairs(lease['counts']) do redis.call('HINCRBY', KEYS[8], name, amount) end
-end
-local added = extend_stream(KEYS[10], KEYS[8], KEYS[11], KEYS[12], KEYS[13], KEYS[14], tonumber(lease['extend'] or 0))
-release_groups(KEYS[10], filtered + tonumber(lease['extend'] or 0))
-redis.call('HDEL', KEYS[2], bid)
-redis.call('ZREM', KEYS[1], bid)
-redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), bid)
-redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -10001)
-return {'acked', #lease['groups'], added}
-"""
-
-# KEYS: 1 lease_data. ARGV: 1 batch_id 2 filtered groups 3 hook-error groups 4 counters (JSON object:
-# name -> amount) 5 groups to replace from the prompt stream.
-# Stores what the read decided for its groups, to be counted (and replaced) when the batch is acknowledged.
-SET_LEASE_OUTCOME = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return 0 end
-local lease = cjson.decode(raw)
-lease['filtered'] = tonumber(ARGV[2])
-lease['hook_errors'] = tonumber(ARGV[3])
-lease['counts'] = cjson.decode(ARGV[4])
-lease['extend'] = tonumber(ARGV[5])
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(lease))
-return 1
-"""
+# KEYS, ARGV and what it does: `lua_leases.ACK_BODY`.
+ACK_BATCH = _GROUP_FUNCTIONS + TASK_FUNCTIONS + LEASE_FUNCTIONS + ACK_BODY
 
 # KEYS: 1 leases 2 lease_data 3 ready 4 stats 5 wake 6 settled 7 lease_expired 8 glease.
 # ARGV: 1 now 2 limit 3 counter name (lease_expired | lease_released).

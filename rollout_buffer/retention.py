@@ -1,9 +1,10 @@
 """Runs go away: `DELETE /runs/{id}`, and the retention policy (`--retain-runs`, `--run-ttl-s`).
 
-Deleting a run unlinks every key of `keys.run_keys` in one script: its workers stop at their next step,
-its tasks are acknowledged without running, its late writes are refused, and no script re-creates a run's
-keys once its meta is gone. Retention only ever deletes *retired* runs: superseded or failed ones, and
-finished ones with nothing left for a reader (no incomplete, ready or leased group).
+Deleting a run first replaces its meta by its tombstone (or removes it), in one script: its workers stop at
+their next step, its tasks are acknowledged without running, its late writes are refused, and no script
+re-creates a run's keys once its meta is gone or `deleted`. Then every other key of `keys.run_keys` goes.
+Retention only ever deletes *retired* runs: superseded or failed ones, and finished ones with nothing left
+for a reader (no incomplete, ready or leased group).
 
 Retention never deletes what a trainer may still resume. A run leaves a *tombstone*: its meta reduced to
 `status: deleted` (every script and worker treats the run as gone) and, for a superseded run, the link
@@ -26,29 +27,24 @@ from dataclasses import dataclass
 from rollout_buffer import handover, keys
 from rollout_buffer.store import Store, text
 
-# KEYS: every key of the run: 1 meta 2 handed 3 skip, then the others. ARGV: 1 now 2 '1' to keep what a
-# resume needs (retention). Unlinks them; a superseded run's meta comes back as its tombstone with the link
-# to its successor; with ARGV[2], an unsuperseded run keeps its handed and skip sets (skip gains the handed
-# groups) under a tombstone meta.
-# Returns 1 when a tombstone was kept.
+# KEYS: 1 meta 2 handed 3 skip. ARGV: 1 now 2 '1' to keep what a resume needs (retention). Replaces the
+# meta by the run's tombstone, or removes it: from then on every script and worker treats the run as gone,
+# and the caller unlinks the run's other keys. A superseded run's tombstone links to its successor
+# (returns 1); with ARGV[2], an unsuperseded run keeps its handed and skip sets, skip gaining the handed
+# groups (returns 2: the caller leaves them); else the meta is gone (0).
 DELETE_RUN = """
 local link = redis.call('HMGET', KEYS[1], 'superseded_by', 'superseded_reason', 'superseded_at', 'created_at')
-local keep = ARGV[2] == '1' and not link[1]
-local gone = {}
-for i = 1, #KEYS do
-  if not (keep and (i == 2 or i == 3)) then gone[#gone + 1] = KEYS[i] end
-end
-redis.call('UNLINK', unpack(gone))
+redis.call('DEL', KEYS[1])
 if link[1] then
   redis.call('HSET', KEYS[1], 'status', 'deleted', 'deleted_at', ARGV[1], 'superseded_by', link[1],
              'superseded_reason', link[2] or '', 'superseded_at', link[3] or '', 'created_at', link[4] or '')
   return 1
 end
-if keep and redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 then
+if ARGV[2] == '1' and redis.call('EXISTS', KEYS[2], KEYS[3]) > 0 then
   -- come back, its handed groups count as trained: no writer's late record for one is stored again
   redis.call('SUNIONSTORE', KEYS[3], KEYS[3], KEYS[2])
   redis.call('HSET', KEYS[1], 'status', 'deleted', 'deleted_at', ARGV[1], 'created_at', link[4] or '')
-  return 1
+  return 2
 end
 return 0
 """
@@ -69,13 +65,13 @@ async def delete_run(store: Store, run_id: str, *, keep_resume: bool = False) ->
     if not await store.run_exists(run_id):
         return False
     first = [keys.run_meta(run_id), keys.handed(run_id), keys.skip(run_id)]
-    run_keys = first + [k for k in keys.run_keys(run_id) if k not in first]
-    tombstone = await store.redis.register_script(DELETE_RUN)(keys=run_keys, args=[time.time(),
-                                                                                   int(keep_resume)])
+    tombstone = int(await store.redis.register_script(DELETE_RUN)(keys=first, args=[time.time(), int(keep_resume)]))
+    kept = first if tombstone == 2 else first[:1]
+    await store.redis.unlink(*[k for k in keys.run_keys(run_id) if k not in kept])
     await store.redis.hdel(keys.RUNS, run_id)
     if await store.active_run() == run_id:
         await store.redis.delete(keys.ACTIVE_RUN)
-    log.info("run %s deleted%s", run_id, " (a tombstone is kept for resume)" if int(tombstone) else "")
+    log.info("run %s deleted%s", run_id, " (a tombstone is kept for resume)" if tombstone else "")
     return True
 
 

@@ -151,7 +151,8 @@ def test_a_step_slower_than_its_lease_keeps_its_groups(server: ServerProcess, in
 
     buffer = SlowBuffer()
     with httpx.Client(base_url=server.url, timeout=10) as client:
-        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 2, "run_id": "slow-step"}
+        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 2,
+                "run_id": "slow-step"}
         assert client.post("/start_rollout", json=body).status_code == 200
         write_all(server.url, "slow-step", [make_record("i0"), make_record("i0")])
 
