@@ -14,6 +14,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:active_run               string run_id that unqualified writes and reads attach to
     rb:run_events               stream run ids launched or stopped, so workers anywhere notice (XREAD BLOCK)
     rb:{R}:meta                 hash   status, created_at, group_size, num_epoch, task_type, superseded_by, ...
+                                       (a deleted run's tombstone: status deleted, superseded_by; see retention)
     rb:{R}:records              hash   uid -> packed record (see rollout_buffer.packing), until handed over
     rb:{R}:uids                 set    every uid ever stored in the run (idempotency for the run's life)
     rb:{R}:gsize                hash   gid -> members written so far

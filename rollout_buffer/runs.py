@@ -15,7 +15,9 @@ A start that names what was trained (either field, even empty: a trainer with no
 truth. If the buffer handed over groups the trainer does not have, they were lost with a crashed trainer,
 so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every group except exactly the
 trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
-and batches leased to the previous trainer session are released at once (one trainer per run).
+and batches leased to the previous trainer session are released at once (one trainer per run). A run that
+retention deleted is found by its tombstone (`rollout_buffer.retention`): the chain of generations still
+leads to the newest one, and a deleted newest generation comes back with its handed-over and trained groups.
 
 The trainer's `policy_version` and `rollout_batch_size` are not part of a run's identity; its staleness
 bound and group filter are (`rollout_buffer.run_policy`), and are checked before anything is stored.
