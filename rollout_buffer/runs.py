@@ -15,7 +15,9 @@ A start that names what was trained (either field, even empty: a trainer with no
 truth. If the buffer handed over groups the trainer does not have, they were lost with a crashed trainer,
 so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every group except exactly the
 trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
-and batches leased to the previous trainer session are released at once (one trainer per run).
+and batches leased to the previous trainer session are released at once (one trainer per run). A run that
+retention deleted is found by its tombstone (`rollout_buffer.retention`): the chain of generations still
+leads to the newest one, and a deleted newest generation comes back with its handed-over and trained groups.
 
 The trainer's `policy_version` and `rollout_batch_size` are not part of a run's identity; its staleness
 bound and group filter are (`rollout_buffer.run_policy`), and are checked before anything is stored.
@@ -38,7 +40,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from rollout_buffer import handover, keys
+from rollout_buffer import handover, keys, retention
 from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.input_file import InputFileError, iter_lines
 from rollout_buffer.input_keys import InputKeyError, InputKeys, normalise
@@ -220,14 +222,18 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     base_id = request.run_id or derive_run_id(request)
     run_id, generation = await _current_generation(store, base_id)
     exists = await store.run_exists(run_id)
-    handed = await store.handed_groups(run_id) if exists else set()
+    # a run retention deleted keeps its handed and skip sets under a tombstone (`retention`): it comes back
+    handed = await store.handed_groups(run_id)
     trained = trained_groups(request, handed) if names_trained_groups(request) else set()
-    if exists and names_trained_groups(request):
+    if handed and names_trained_groups(request):
         untrained = handed - trained
         if untrained:
             successor = f"{base_id}.r{generation + 1}"
-            await store.supersede(run_id, successor, reason=f"{len(untrained)} handed-over group(s) missing "
-                                                             "from what the trainer says it trained")
+            reason = f"{len(untrained)} handed-over group(s) missing from what the trainer says it trained"
+            if exists:
+                await store.supersede(run_id, successor, reason=reason)
+            else:
+                await retention.retire_tombstone(store, run_id, successor, reason)
             log.warning("run %s superseded by %s: %d group(s) were handed over to a trainer that does not have "
                         "them; the new generation rolls out everything the trainer has not trained",
                         run_id, successor, len(untrained))
