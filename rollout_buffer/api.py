@@ -23,8 +23,8 @@ from rollout_buffer.bodies import install_openapi
 from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.gateway import app as gateway
 from rollout_buffer.http_errors import BodySizeLimit, install_error_handlers
-from rollout_buffer.logs import redact_query_tokens
 from rollout_buffer.maintenance import maintain, supervise_embedded
+from rollout_buffer.redaction import install_redaction
 from rollout_buffer.redis_client import display_url
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.remote import router as remote_router
@@ -121,5 +121,5 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     token = settings.resolved_auth_token()
     if token is not None:  # outermost: a request without the token is refused before its body is read
         app.add_middleware(BearerAuth, token=token)
-        redact_query_tokens()  # the dashboard is opened once as /?token=...: keep it out of the access log
+        install_redaction()  # /?token=... and capability URLs stay out of the access log (and every other)
     return app

@@ -13,10 +13,11 @@ for good (handed over, acknowledged, dropped, requeued, timed out) counts in `gr
 half of the runtime's admission rule (`rollout_buffer.runtime.taskqueue`).
 """
 
+from rollout_buffer.lua_leases import ACK_BODY, LEASE_FUNCTIONS, RENEW_LEASE, SET_LEASE_OUTCOME
 from rollout_buffer.lua_tasks import EXTEND_GROUPS, TASK_FUNCTIONS
 
 __all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "INCR_STATS", "READ_READY",
-           "SET_LEASE_OUTCOME", "SET_POLICY_VERSION", "WRITE_RECORD"]
+           "RENEW_LEASE", "SET_LEASE_OUTCOME", "SET_POLICY_VERSION", "WRITE_RECORD"]
 
 # Shared functions, prepended to the scripts that need them.
 _GROUP_FUNCTIONS = """
@@ -76,8 +77,12 @@ local function wake(k_wake)
   redis.call('LTRIM', k_wake, -64, -1)
 end
 -- Puts the groups of leases due by `now` back at the head of the ready list (batch order kept) and
--- remembers the batch as expired (negative score in `settled`). Returns how many leases ended.
-local function expire_leases(k_leases, k_lease_data, k_ready, k_stats, k_wake, k_settled, now, limit, counter)
+-- remembers the batch as expired (negative score in `settled`). A lease that ran out (counter
+-- `lease_expired`) keeps its JSON in `lease_expired`, for a late ack (`lua_leases.reclaim_expired`); a
+-- released one (a new trainer session) does not, and its groups no longer name it in `glease`.
+-- Returns how many leases ended.
+local function expire_leases(k_leases, k_lease_data, k_ready, k_stats, k_wake, k_settled, k_expired, k_glease,
+                             now, limit, counter)
   local due = redis.call('ZRANGEBYSCORE', k_leases, '-inf', now, 'LIMIT', 0, limit)
   for _, bid in ipairs(due) do
     local raw = redis.call('HGET', k_lease_data, bid)
@@ -87,12 +92,21 @@ local function expire_leases(k_leases, k_lease_data, k_ready, k_stats, k_wake, k
       redis.call('HINCRBY', k_stats, counter, 1)
       redis.call('HINCRBY', k_stats, counter .. '_groups', #groups)
       wake(k_wake)
+      if counter == 'lease_expired' then
+        redis.call('HSET', k_expired, bid, raw)
+      else
+        for _, gid in ipairs(groups) do redis.call('HDEL', k_glease, gid) end
+      end
     end
     redis.call('HDEL', k_lease_data, bid)
     redis.call('ZREM', k_leases, bid)
     redis.call('ZADD', k_settled, -now, bid)
   end
-  redis.call('ZREMRANGEBYRANK', k_settled, 0, -10001)
+  local old = redis.call('ZRANGE', k_settled, 0, -10001)
+  if #old > 0 then
+    redis.call('HDEL', k_expired, unpack(old))
+    redis.call('ZREMRANGEBYRANK', k_settled, 0, -10001)
+  end
   return #due
 end
 """
@@ -105,8 +119,9 @@ end
 # run_superseded, skipped_group, epoch_out_of_range, stale_generation, late_write, group_overflow).
 # Epochs past num_epoch are accepted up to `epoch_limit` (groups the prompt stream added for a group filter).
 WRITE_RECORD = _GROUP_FUNCTIONS + """
-local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch', 'status', 'epoch_limit')
+local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch', 'status', 'epoch_limit', 'superseded_by')
 if not run[1] or run[3] == 'deleted' then
+  if run[5] then return {'dropped', 'run_superseded'} end  -- a deleted superseded run's tombstone
   return {'dropped', 'unknown_run'}
 end
 if run[3] == 'superseded' then
@@ -187,6 +202,7 @@ return {'stored', gid}
 
 # KEYS: 1 ready 2 records 3 handed 4 stats 5 since 6 since_groups 7 timed_out 8 gsize 9 members
 #       10 leases 11 lease_data 12 settled 13 wake 14 meta 15 gversion 16 ggen 17 tasks 18 closed
+#       19 lease_expired 20 glease
 # ARGV: 1 max_samples (-1: no limit) 2 lease_s (0: no lease) 3 batch_id ('' with no lease) 4 now
 #       5 the reader's policy version ('' none: the run's last known one) 6 groups the reader asked for (0: -)
 # First ends due leases. A batch_id whose lease is live is a retry: the same groups, lease renewed
@@ -197,6 +213,8 @@ return {'stored', gid}
 # no room. Resets the since-previous-read counters. With a
 # lease the groups stay stored under the batch ({'leased', lease JSON, groups...}); without, they are
 # deleted and marked handed over ({'handed', info JSON, groups...}). Each group is {gid, {uid, blob, ...}}.
+# Every group taken from the ready list is recorded in `glease` under the lease that took it (removed
+# without a lease), so a late ack of an expired lease knows whether anyone read its groups since.
 # Nothing to hand over: {'empty', info JSON or ''} (the info names stale groups dealt with on the way).
 READ_READY = _GROUP_FUNCTIONS + TASK_FUNCTIONS + """
 local now = tonumber(ARGV[4])
@@ -204,7 +222,8 @@ local lease_s = tonumber(ARGV[2])
 local bid = ARGV[3]
 local status = redis.call('HGET', KEYS[14], 'status')
 if not status or status == 'deleted' then return {'empty', ''} end
-expire_leases(KEYS[10], KEYS[11], KEYS[1], KEYS[4], KEYS[13], KEYS[12], now, 1000, 'lease_expired')
+expire_leases(KEYS[10], KEYS[11], KEYS[1], KEYS[4], KEYS[13], KEYS[12], KEYS[19], KEYS[20], now, 1000,
+              'lease_expired')
 if bid ~= '' then
   local raw = redis.call('HGET', KEYS[11], bid)
   if raw then
@@ -239,6 +258,7 @@ while true do
   local oldest = bound and tonumber(redis.call('HGET', KEYS[15], gid) or '')
   if oldest and version - oldest > bound then
     redis.call('LPOP', KEYS[1])
+    redis.call('HDEL', KEYS[20], gid)
     local n = delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
     local again = policy ~= 'drop' and tonumber(redis.call('HGET', KEYS[16], gid) or '0') < max_requeues
     if not again then
@@ -283,11 +303,14 @@ if lease_s > 0 then
   redis.call('HSET', KEYS[11], bid, cjson.encode(info))
   redis.call('ZADD', KEYS[10], now + lease_s, bid)
   redis.call('ZREM', KEYS[12], bid)
+  redis.call('HDEL', KEYS[19], bid)
+  for _, gid in ipairs(gids) do redis.call('HSET', KEYS[20], gid, bid) end
   redis.call('HINCRBY', KEYS[4], 'batches_leased', 1)
 else
   for _, gid in ipairs(gids) do
     delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
     redis.call('SADD', KEYS[3], gid)
+    redis.call('HDEL', KEYS[20], gid)
   end
   redis.call('HINCRBY', KEYS[4], 'groups_handed', #gids)
   redis.call('HINCRBY', KEYS[4], 'samples_handed', taken)
@@ -298,75 +321,14 @@ for i = 1, #groups do out[#out + 1] = groups[i] end
 return out
 """
 
-# KEYS: 1 leases 2 lease_data 3 settled 4 records 5 gsize 6 members 7 handed 8 stats 9 gversion 10 meta
-#       11 tasks 12 lines 13 skip 14 closed
-# ARGV: 1 batch_id 2 now
-# Ends a lease for good: its groups are deleted and marked handed over, what the reader decided for them
-# (stored with the lease by SET_LEASE_OUTCOME: counters, groups a filter dropped) is counted now, those
-# dropped groups are replaced from the prompt stream, and filtered groups free admission at once. Returns {outcome, groups, groups added}: acked |
-# already_acked | expired | unknown.
-ACK_BATCH = _GROUP_FUNCTIONS + TASK_FUNCTIONS + """
-local bid = ARGV[1]
-local raw = redis.call('HGET', KEYS[2], bid)
-if not raw then
-  local settled = redis.call('ZSCORE', KEYS[3], bid)
-  if settled and tonumber(settled) > 0 then return {'already_acked', 0, 0} end
-  if settled then
-    redis.call('HINCRBY', KEYS[8], 'late_acks', 1)
-    return {'expired', 0, 0}
-  end
-  return {'unknown', 0, 0}
-end
-local lease = cjson.decode(raw)
-local samples = 0
-for _, gid in ipairs(lease['groups']) do
-  samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
-  redis.call('SADD', KEYS[7], gid)
-end
-redis.call('HINCRBY', KEYS[8], 'groups_handed', #lease['groups'])
-redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
-redis.call('HINCRBY', KEYS[8], 'groups_consumed', #lease['groups'])
-redis.call('HINCRBY', KEYS[8], 'batches_acked', 1)
-local filtered = tonumber(lease['filtered'] or 0)
-if filtered > 0 then
-  redis.call('HINCRBY', KEYS[8], 'groups_filtered', filtered)
-  redis.call('HINCRBY', KEYS[8], 'drop:filtered_group', filtered)
-end
-local hook_errors = tonumber(lease['hook_errors'] or 0)
-if hook_errors > 0 then
-  redis.call('HINCRBY', KEYS[8], 'drop:hook_error', hook_errors)
-end
-if type(lease['counts']) == 'table' then
-  for name, amount in pairs(lease['counts']) do redis.call('HINCRBY', KEYS[8], name, amount) end
-end
-local added = extend_stream(KEYS[10], KEYS[8], KEYS[11], KEYS[12], KEYS[13], KEYS[14], tonumber(lease['extend'] or 0))
-release_groups(KEYS[10], filtered + tonumber(lease['extend'] or 0))
-redis.call('HDEL', KEYS[2], bid)
-redis.call('ZREM', KEYS[1], bid)
-redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), bid)
-redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -10001)
-return {'acked', #lease['groups'], added}
-"""
+# KEYS, ARGV and what it does: `lua_leases.ACK_BODY`.
+ACK_BATCH = _GROUP_FUNCTIONS + TASK_FUNCTIONS + LEASE_FUNCTIONS + ACK_BODY
 
-# KEYS: 1 lease_data. ARGV: 1 batch_id 2 filtered groups 3 hook-error groups 4 counters (JSON object:
-# name -> amount) 5 groups to replace from the prompt stream.
-# Stores what the read decided for its groups, to be counted (and replaced) when the batch is acknowledged.
-SET_LEASE_OUTCOME = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return 0 end
-local lease = cjson.decode(raw)
-lease['filtered'] = tonumber(ARGV[2])
-lease['hook_errors'] = tonumber(ARGV[3])
-lease['counts'] = cjson.decode(ARGV[4])
-lease['extend'] = tonumber(ARGV[5])
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(lease))
-return 1
-"""
-
-# KEYS: 1 leases 2 lease_data 3 ready 4 stats 5 wake 6 settled. ARGV: 1 now 2 limit 3 counter name.
+# KEYS: 1 leases 2 lease_data 3 ready 4 stats 5 wake 6 settled 7 lease_expired 8 glease.
+# ARGV: 1 now 2 limit 3 counter name (lease_expired | lease_released).
 # Ends leases due by `now` (a huge `now` releases them all, e.g. when a new trainer session starts).
 EXPIRE_LEASES = _GROUP_FUNCTIONS + """
-return expire_leases(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[1]),
+return expire_leases(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[1]),
                      tonumber(ARGV[2]), ARGV[3])
 """
 

@@ -58,7 +58,7 @@ class Store:
         self.redis = client
         self.scripts = {name: client.register_script(getattr(lua, name)) for name in (
             "WRITE_RECORD", "READ_READY", "ACK_BATCH", "SET_LEASE_OUTCOME", "EXPIRE_LEASES", "EXPIRE_GROUPS",
-            "INCR_STATS", "EXTEND_GROUPS", "SET_POLICY_VERSION")}
+            "INCR_STATS", "EXTEND_GROUPS", "SET_POLICY_VERSION", "RENEW_LEASE")}
         self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
 
     @classmethod

@@ -13,7 +13,8 @@ from rollout_buffer.embedded_redis import EmbeddedRedis
 from rollout_buffer.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
 from tests.helpers import SlimeLikeDataBuffer
-from tests.redis_cluster import LocalRedisCluster
+from tests.backends import external_url_from_env
+from tests.redis_cluster import LocalRedis, LocalRedisCluster
 
 if TYPE_CHECKING:
     from tests.browser import OfflineBrowser
@@ -154,6 +155,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
     tests/backends.py for how tests share it)."""
     with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def external_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of an external (non-embedded) Redis: CI's `REDIS_URL` when set, else a plain `redis-server`
+    on a loopback port started once per session (tests/backends.py)."""
+    url = external_url_from_env()
+    if url:
+        yield url
+        return
+    with LocalRedis(tmp_path_factory.mktemp("external-redis")) as server:
+        yield server.url
 
 
 @pytest.fixture(params=["embedded", "cluster"])

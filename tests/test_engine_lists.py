@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_buffer.runtime.engines import EngineRing, parse_engine_urls
+from rollout_buffer.outbound import parse_engine_urls
+from rollout_buffer.runtime.engines import EngineRing
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.testing.engine import run_engine_in_thread

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from rollout_buffer import keys
+from rollout_buffer.outbound import ABORT_PATH
 from rollout_buffer.packing import pack_record, unpack_record
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy, abort_all_requests, new_session
@@ -91,7 +92,7 @@ async def test_an_abort_continued_under_a_new_version_keeps_both_per_token(redis
             await _wait_in_flight(engine)
             await asyncio.sleep(1.0)  # half of the latency: the aborted piece has produced tokens
             await redis_store.set_policy_version(run_id, 4)
-            await abort_all_requests(engine.url)
+            await abort_all_requests(f"{engine.url}{ABORT_PATH}")
             await call
         finally:
             await session.close()

@@ -10,6 +10,8 @@ from rollout_buffer import handover, retention
 from rollout_buffer.app_state import state_of
 from rollout_buffer.failures import failure_summary
 from rollout_buffer.http_errors import error_response
+from rollout_buffer.outbound import own_base_url
+from rollout_buffer.routes.writes import missing_run_answer
 from rollout_buffer.runs import StartRolloutError, start_run
 from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.schema import StartRolloutRequest
@@ -29,10 +31,11 @@ async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
         verb = "started" if created else "already exists"
         return {"message": f"external run {run_id} {verb}", "run_id": run_id, "created": created,
                 "skipped_instance_ids": 0, "skipped_groups": 0}
-    if not body.remote_buffer_url:  # legacy task modules write back to us; tell them where
-        body.remote_buffer_url = str(request.base_url).rstrip("/")
+    # slime-style modules write back to us (never to the Host header's choice) or to an allowed URL
+    own_url = own_base_url(request.scope.get("server"), str(request.base_url))
     try:
-        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access)
+        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access,
+                               own_url=own_url)
         await state.runtime.launch(spec)
     except StartRolloutError as exc:
         return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
@@ -54,8 +57,8 @@ async def run_detail(run_id: str, request: Request) -> Any:
     """Tasks, groups, drops and failures (by error type, with the first example of each) of one run."""
     state = state_of(request)
     meta = await state.store.run_meta(run_id)
-    if not meta:
-        return error_response(404, f"unknown run_id {run_id!r}")
+    if not meta or not await state.store.run_exists(run_id):
+        return await missing_run_answer(state, run_id)
     stats = await state.store.stats(run_id)
     counts = await handover.group_counts(state.store, run_id)
     return {
@@ -80,7 +83,8 @@ async def run_detail(run_id: str, request: Request) -> Any:
                     "by_status": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("status:")}},
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
         "leases": {name: int(stats.get(name, 0)) for name in (
-            "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks")},
+            "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks",
+            "late_acks_accepted", "lease_renewals", "leases_reclaimed")},
         "failures": await failure_summary(state.store.redis, run_id, stats),
         "stats": stats,
     }

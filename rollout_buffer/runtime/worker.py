@@ -31,6 +31,8 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from rollout_buffer import keys
+from rollout_buffer.access import AccessDenied, AccessPolicy
+from rollout_buffer.outbound import checked_engine_urls
 from rollout_buffer.runtime.engine_http import close_session, new_session
 from rollout_buffer.runtime.executor import RunHandle, execute
 from rollout_buffer.runtime.options import RunOptions
@@ -77,7 +79,8 @@ async def publish_run(store: Store, run_id: str) -> None:
 
 
 async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, run_id: str) -> RunHandle | None:
-    """The run as this worker can serve it, or None (unknown task here, legacy task, bad config)."""
+    """The run as this worker can serve it, or None (unknown task here, legacy task, bad config, an engine
+    outside this process's `--allow-url`)."""
     config = await store.run_config(run_id)
     if config is None:
         return None
@@ -89,6 +92,11 @@ async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, 
     if task.kind != "native":
         return None
     options = RunOptions.from_request(request, rollout_timeout_s=settings.rollout_timeout_s)
+    try:  # checked at /start_rollout; again here, for a run stored before this process's --allow-url narrowed
+        checked_engine_urls(AccessPolicy.from_settings(settings), request.remote_engine_url)
+    except AccessDenied as exc:
+        log.error("run %s: not served by this worker: %s", run_id, exc)
+        return None
     tokenizer = (await get_tokenizer(options.tokenizer_path, allow_download=settings.allow_hub_downloads)
                  if options.tokenizer_path else None)
     return RunHandle(run_id=run_id, request=request, options=options, task=task, tokenizer=tokenizer,
