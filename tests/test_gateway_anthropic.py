@@ -83,6 +83,8 @@ def test_anthropic_answer_shape(client: httpx.Client, rollout_engine: Any, qwen_
     [call] = engine_calls_of(rollout_engine, session["session_id"])
     assert reply.usage.input_tokens == len(call["prompt_ids"])
     assert reply.usage.output_tokens == len(call["output_ids"])
+    [listed] = sdk.models.list().data
+    assert listed.id == "default" and listed.type == "model"
     cut = sdk.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "What is 1 + 8?"}])
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
     for bad, param in (({"max_tokens": 10, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -35,10 +36,17 @@ async def chat_completions(request: Request) -> Any:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Any:
-    """The policy this session's run serves."""
+    """The policy this session's run serves, in the asking SDK's shape (Anthropic's SDKs send
+    `anthropic-version`)."""
+    anthropic = "anthropic-version" in request.headers
     try:
         opened = await open_session(request, require_open=False)
     except GatewayError as exc:
-        return error_response("openai", exc)
-    return {"object": "list", "data": [{"id": opened.ctx.model, "object": "model",
-                                        "created": int(opened.session.created_at), "owned_by": "rollout-buffer"}]}
+        return error_response("anthropic" if anthropic else "openai", exc)
+    model, created = opened.ctx.model, int(opened.session.created_at)
+    if anthropic:
+        stamp = datetime.fromtimestamp(created, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"data": [{"type": "model", "id": model, "display_name": model, "created_at": stamp}],
+                "has_more": False, "first_id": model, "last_id": model}
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "rollout-buffer"}]}
