@@ -116,7 +116,7 @@ def check_redis(settings: Settings) -> str | None:
 
     from redis.exceptions import RedisError
 
-    from rollout_buffer.redis_client import RedisModeError, check_mode, display_url
+    from rollout_buffer.store.redis_client import RedisModeError, check_mode, display_url
 
     try:
         asyncio.run(check_mode(settings.redis_url, settings.redis_cluster))
@@ -129,7 +129,7 @@ def check_redis(settings: Settings) -> str | None:
 
 def warn_if_exposed(settings: Settings) -> bool:
     """Log a loud warning when the server listens beyond loopback without a token; True if it did."""
-    from rollout_buffer.auth import is_loopback
+    from rollout_buffer.security.auth import is_loopback
 
     if is_loopback(settings.host) or settings.auth_token is not None or settings.auth_token_file is not None:
         return False
@@ -144,7 +144,7 @@ def warn_if_exposed(settings: Settings) -> bool:
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from rollout_buffer.api import create_app
+    from rollout_buffer.api.app import create_app
 
     configure_logging(settings.log_level)
     warn_if_exposed(settings)

@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     port: int = Field(default=8889, ge=0, le=65535)
     data_dir: Path = Path(".rollout-buffer")
     redis_url: str | None = None
-    # `redis_url` names any node of a Redis Cluster: the cluster client is used (see rollout_buffer.redis_client).
+    # `redis_url` names any node of a Redis Cluster: the cluster client is used (see rollout_buffer.store.redis_client).
     redis_cluster: bool = False
     task_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # Rollout worker processes: `serve --worker-processes N` runs them beside the API, `rollout-buffer worker

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from rollout_buffer.embedded_redis import EmbeddedRedis
-from rollout_buffer.store import Store
+from rollout_buffer.store.embedded import EmbeddedRedis
+from rollout_buffer.store.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-from tests.helpers import SlimeLikeDataBuffer
-from tests.redis_cluster import LocalRedisCluster
+from tests.support.helpers import SlimeLikeDataBuffer
+from tests.support.redis_cluster import LocalRedisCluster
 
 if TYPE_CHECKING:
-    from tests.browser import OfflineBrowser
+    from tests.support.browser import OfflineBrowser
 
 # Deprecation warnings these libraries raise as UserWarning subclasses (so `error::DeprecationWarning` in
 # pyproject.toml does not catch them): they only fire on a deprecated use, which would be ours.
@@ -56,10 +56,10 @@ def r1_tokenizer() -> Any:
 
 @pytest.fixture()
 def offline_browser(tmp_path: Path) -> Iterator["OfflineBrowser"]:
-    """Headless Chromium with outbound network blocked and a fresh profile (see tests/browser.py):
+    """Headless Chromium with outbound network blocked and a fresh profile (see tests/support/browser.py):
     `offline_browser.open(url, wait_for=selector)` -> a `PageVisit` with every request the page made;
     `visit.screenshot(name)` saves under this test's tmp dir."""
-    from tests.browser import OfflineBrowser  # playwright is imported only by the tests that use it
+    from tests.support.browser import OfflineBrowser  # playwright is imported only by the tests that use it
 
     with OfflineBrowser(tmp_path) as browser:
         yield browser
@@ -128,8 +128,8 @@ def rollout_engine() -> Any:
 def runtime_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One `rollout-buffer serve` process (in-process workers) shared by the runtime tests, with the test
     task folders; tests use their own run ids, so they do not see each other's data."""
-    from tests.helpers import ServerProcess
-    from tests.runtime_helpers import RUNTIME_SERVER_ARGS
+    from tests.support.helpers import ServerProcess
+    from tests.support.runtime_helpers import RUNTIME_SERVER_ARGS
 
     with ServerProcess(tmp_path_factory.mktemp("runtime-data"), *RUNTIME_SERVER_ARGS) as proc:
         yield proc
@@ -141,17 +141,17 @@ def external_buffer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     shared by the agent-rollout test modules; every test there uses its own run id."""
     from pathlib import Path
 
-    from tests.helpers import ServerProcess
+    from tests.support.helpers import ServerProcess
 
     with ServerProcess(tmp_path_factory.mktemp("agent-buffer"), "--task-dir",
-                       str(Path(__file__).parent / "tasks")) as proc:
+                       str(Path(__file__).parent / "fixtures" / "tasks")) as proc:
         yield proc
 
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    """A real 3-node Redis Cluster on loopback, started once per session (see tests/redis_cluster.py and
-    tests/backends.py for how tests share it)."""
+    """A real 3-node Redis Cluster on loopback, started once per session (see tests/support/redis_cluster.py and
+    tests/support/backends.py for how tests share it)."""
     with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster
 

@@ -28,7 +28,6 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
-from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.remote.callback import CallbackSender
 from rollout_buffer.remote.engine import CallReport, RemoteEngineClient
 from rollout_buffer.remote.metrics import RemoteMetrics
@@ -38,10 +37,11 @@ from rollout_buffer.remote.state import RemoteStates, public_view
 from rollout_buffer.runtime.engine_http import RetryPolicy, new_session
 from rollout_buffer.runtime.history import snapshot
 from rollout_buffer.runtime.tokenizers import get_tokenizer
+from rollout_buffer.security.access import AccessDenied, AccessPolicy
 from rollout_buffer.settings import Settings
-from rollout_buffer.store import Store
-from rollout_buffer.task_contract import RolloutContext
-from rollout_buffer.tasks import TaskRegistry
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.contract import RolloutContext
+from rollout_buffer.tasks.discovery import TaskRegistry
 
 log = logging.getLogger(__name__)
 RESTARTED = "buffer restarted while the rollout was running; it cannot be resumed (the trainer already holds part of it)"

@@ -1,4 +1,4 @@
-"""Durable state of remote rollouts in Redis (`rb:remote:{rollout_id}`, see `rollout_buffer.keys`).
+"""Durable state of remote rollouts in Redis (`rb:remote:{rollout_id}`, see `rollout_buffer.store.keys`).
 
 Every rollout has an `owner`: the API process driving it, alive while its lease key
 `rb:remote_owner:{owner}` exists. All state changes go through one Lua script that checks the owner (and
@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer import keys
-from rollout_buffer.redis_client import RedisClient
 from rollout_buffer.remote.drift import Drift
 from rollout_buffer.remote.schema import InitRequest
+from rollout_buffer.store import keys
+from rollout_buffer.store.redis_client import RedisClient
 
 # Create the hash only when absent: the race-free claim of a rollout_id across API processes.
 _CLAIM = """

@@ -4,7 +4,7 @@ Whatever happens inside the rollout (an exception, an engine error after retries
 the task cannot use), the task ends with a record, so its group completes. Only infrastructure failures
 (Redis unreachable) or a worker shutdown leave a task unacknowledged, and then another worker reclaims it
 after the lease. The task sees the input line normalised with the run's slime keys
-(`rollout_buffer.input_keys`); failures are counted by type and logged without flooding
+(`rollout_buffer.tasks.input_keys`); failures are counted by type and logged without flooding
 (`rollout_buffer.runtime.failure_log`).
 
 A task the admission rule holds back (`TaskQueue.start` says deferred) is not run and not acknowledged:
@@ -24,7 +24,6 @@ from typing import Any
 
 import aiohttp
 
-from rollout_buffer.input_keys import InputKeys, normalise, prompt_messages
 from rollout_buffer.metrics.histograms import ROLLOUT_DURATION
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy
@@ -35,10 +34,11 @@ from rollout_buffer.runtime.policy_clock import PolicyClock
 from rollout_buffer.runtime.records import failure_record, success_record
 from rollout_buffer.runtime.sglang_client import GenerateClient
 from rollout_buffer.runtime.taskqueue import TERMINAL, Task, TaskQueue
-from rollout_buffer.schema import StartRolloutRequest
-from rollout_buffer.store import Store
-from rollout_buffer.task_contract import EngineClient, RolloutContext
-from rollout_buffer.tasks import TaskModule
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.contract import EngineClient, RolloutContext
+from rollout_buffer.tasks.discovery import TaskModule
+from rollout_buffer.tasks.input_keys import InputKeys, normalise, prompt_messages
+from rollout_buffer.wire.schema import StartRolloutRequest
 
 log = logging.getLogger(__name__)
 

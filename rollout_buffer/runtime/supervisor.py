@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.embedded_redis import SOCKET_NAME
 from rollout_buffer.settings import Settings
+from rollout_buffer.store.embedded import SOCKET_NAME
 
 log = logging.getLogger(__name__)
 

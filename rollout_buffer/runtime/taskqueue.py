@@ -4,7 +4,7 @@ Stream ids are `0-<n>`, n counting up from 1. The plan, one task per (epoch, lin
 fixed order (its *plan sequence*), and the run's meta remembers the last plan sequence enqueued
 (`plan_seq`), so enqueueing again (a relaunch after a restart, or two API processes racing) adds nothing
 twice. Hand-over may append more groups at any time (a stale group rolled out again as a new generation,
-or the prompt stream's next groups replacing filtered ones: `rollout_buffer.lua_tasks`); they take the
+or the prompt stream's next groups replacing filtered ones: `rollout_buffer.store.stream_lua`); they take the
 next ids. Task state moves queued -> running -> done | failed | skipped in Lua scripts that also keep the
 `tasks_<state>` counters, acknowledge the entry and mark the run `finished` when the last task ends, so
 the counters stay exact however often a task is delivered. A rollout makes three script calls (start,
@@ -34,10 +34,10 @@ from typing import Any
 import orjson
 from redis.exceptions import ResponseError
 
-from rollout_buffer import keys
-from rollout_buffer.batching import Coalescer, ScriptCall, run_scripts
-from rollout_buffer.lua_tasks import TASK_FUNCTIONS
-from rollout_buffer.redis_client import RedisClient
+from rollout_buffer.store import keys
+from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
+from rollout_buffer.store.redis_client import RedisClient
+from rollout_buffer.store.stream_lua import TASK_FUNCTIONS
 
 TERMINAL = ("done", "failed", "skipped")
 

@@ -30,17 +30,17 @@ from typing import Any
 import aiohttp
 from redis.exceptions import RedisError
 
-from rollout_buffer import keys
 from rollout_buffer.runtime.engine_http import close_session, new_session
 from rollout_buffer.runtime.executor import RunHandle, execute
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.taskqueue import Task, TaskQueue
 from rollout_buffer.runtime.tokenizers import get_tokenizer, release_free_heap
-from rollout_buffer.schema import StartRolloutRequest
 from rollout_buffer.settings import Settings
-from rollout_buffer.store import Store
-from rollout_buffer.tasks import TaskRegistry
-from rollout_buffer.versions import as_version
+from rollout_buffer.store import keys
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.discovery import TaskRegistry
+from rollout_buffer.wire.schema import StartRolloutRequest
+from rollout_buffer.wire.versions import as_version
 
 log = logging.getLogger(__name__)
 MAX_BLOCK_S = 2.0

@@ -1,0 +1,121 @@
+"""Runs stop and go away: DELETE /runs/{id} returns Redis to its key count, superseded runs' workers stop,
+retention deletes retired runs, group timeouts reach runs that are not the active one. On the embedded
+Redis and on a real 3-node Redis Cluster."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.backends import CLUSTER_BACKENDS, Backend, backend
+from tests.support.helpers import ServerProcess, make_record, start_run, write_jsonl
+from tests.support.process_tools import wait_for
+from tests.support.runtime_helpers import arithmetic_rows, run_detail, start_native, write_rows
+
+TASKS = str(Path(__file__).parents[1] / "fixtures" / "tasks")
+
+
+@pytest.fixture(params=CLUSTER_BACKENDS)
+def redis_backend(request: pytest.FixtureRequest) -> Backend:
+    return backend(request)
+
+
+def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, rollout_engine: Any,
+                                                               qwen_tokenizer_path: str,
+                                                               redis_backend: Backend) -> None:
+    rows = write_rows(tmp_path, arithmetic_rows(24))
+    with ServerProcess(tmp_path / "data", "--workers", "2", *redis_backend.server_args()) as server:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        rollout_engine.configure(latency_s=0.0)
+        warm = start_native(client, rows, engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path,
+                            repeats=1)
+        wait_for(lambda: run_detail(client, warm)["meta"]["status"] == "finished", what="warm-up run finished")
+        assert client.delete(f"/runs/{warm}").json()["success"]
+        baseline = sorted(redis_backend.keys(server))
+        assert not [k for k in baseline if b"{" in k], f"keys of the deleted run remain: {baseline}"
+        rollout_engine.configure(latency_s=0.3)
+        try:
+            run_id = start_native(client, rows, engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path,
+                                  repeats=2, epochs=3, num_process=4)
+            wait_for(lambda: run_detail(client, run_id)["groups"]["completed"] >= 2, what="two groups")
+            leased = client.post("/get_rollout_data", json={"run_id": run_id, "lease_s": 600}).json()
+            assert leased["success"]
+            detail = run_detail(client, run_id)
+            assert detail["tasks"]["running"] > 0 and detail["groups"]["leased"] >= 2, "deleted mid-rollout"
+            assert client.delete(f"/runs/{run_id}").json()["success"]
+            assert client.delete(f"/runs/{run_id}").status_code == 404
+            time.sleep(3.0)  # in-flight rollouts end (cancelled by their workers) and nothing re-creates keys
+            assert sorted(redis_backend.keys(server)) == baseline
+            assert client.get(f"/runs/{run_id}").status_code == 404
+            assert client.post("/get_rollout_data", json={"run_id": run_id}).status_code == 404
+        finally:
+            rollout_engine.configure(latency_s=0.0)
+
+
+def test_a_superseded_runs_workers_stop(tmp_path: Path, rollout_engine: Any, qwen_tokenizer_path: str,
+                                        redis_backend: Backend) -> None:
+    rows = write_rows(tmp_path, arithmetic_rows(16))
+    with ServerProcess(tmp_path / "data", *redis_backend.server_args()) as server:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        rollout_engine.configure(latency_s=0.2)
+        try:
+            run_id = start_native(client, rows, engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path,
+                                  repeats=1, epochs=4, num_process=4)
+            wait_for(lambda: run_detail(client, run_id)["groups"]["ready"] >= 1, what="a ready group")
+            handed = client.post("/get_rollout_data", json={"run_id": run_id, "num": 1}).json()
+            assert handed["data"]["meta_info"]["finished_group_keys"]
+            config = run_detail(client, run_id)["config"]
+            restart = {k: config[k] for k in ("task_type", "input_file", "num_repeat_per_sample", "num_epoch",
+                                               "remote_engine_url", "tokenizer_path", "sampling_params",
+                                               "num_process", "run_id")}
+            successor = client.post("/start_rollout", json={**restart, "skip_groups": []}).json()["run_id"]
+            assert successor == f"{run_id}.r1", "the trainer without a checkpoint lost the handed-over group"
+            wait_for(lambda: run_detail(client, run_id)["tasks"]["running"] == 0, 10.0,
+                     "the superseded run's rollouts stopped")
+            written = run_detail(client, run_id)["records"]["written"]
+            time.sleep(1.5)
+            assert run_detail(client, run_id)["records"]["written"] == written, "nothing more is written to it"
+            assert run_detail(client, run_id)["meta"]["status"] == "superseded"
+            wait_for(lambda: run_detail(client, successor)["records"]["written"] > 0, what="successor runs")
+        finally:
+            rollout_engine.configure(latency_s=0.0)
+
+
+def test_retention_deletes_retired_runs_only(tmp_path: Path, redis_backend: Backend) -> None:
+    input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": "i0"}, {"instance_id": "i1"}])
+    with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--retain-runs", "2", "--run-ttl-s", "2",
+                       *redis_backend.server_args()) as server:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        drained = start_run(client, input_file, task_type="external", repeats=1, run_id="drained")
+        for iid in ("i0", "i1"):
+            client.post("/buffer/write", json=make_record(iid, run_id=drained))
+        assert len(client.post("/get_rollout_data", json={"run_id": drained}).json()["data"]["data"]) == 2
+        unread = start_run(client, input_file, task_type="external", repeats=1, run_id="unread")
+        client.post("/buffer/write", json=make_record("i0", run_id=unread))  # a ready group nobody read yet
+        newest = start_run(client, input_file, task_type="external", repeats=1, run_id="newest")
+        client.post("/buffer/write", json=make_record("i0", run_id=newest))
+        runs = client.get("/runs").json()["runs"]
+        assert "drained" not in runs, "beyond the 2 newest and retired: deleted when the third run started"
+        assert set(runs) == {"unread", "newest"}
+        time.sleep(3.0)  # past the TTL, but both still hold a ready group: not retired
+        assert set(client.get("/runs").json()["runs"]) == {"unread", "newest"}
+        client.post("/get_rollout_data", json={"run_id": unread})
+        client.post("/get_rollout_data", json={"run_id": newest})
+        wait_for(lambda: client.get("/runs").json()["runs"] == [], 10.0, "drained runs deleted after the TTL")
+
+
+def test_group_timeouts_reach_runs_that_are_not_active(tmp_path: Path, redis_backend: Backend) -> None:
+    input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": "i0"}])
+    with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--group-timeout-s", "0.3",
+                       *redis_backend.server_args()) as server:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        first = start_run(client, input_file, task_type="external", repeats=2, run_id="first")
+        client.post("/buffer/write", json=make_record("i0", run_id=first))
+        start_run(client, input_file, task_type="external", repeats=2, run_id="second")
+        assert client.get("/runs").json()["active_run"] == "second"
+        wait_for(lambda: run_detail(client, first)["drops"].get("group_timeout") == 1, 10.0,
+                 "the inactive run's incomplete group timed out")
