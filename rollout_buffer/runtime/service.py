@@ -31,10 +31,11 @@ from rollout_buffer.runs.policy import PolicyError, RunPolicy
 from rollout_buffer.runtime.inputs import read_samples
 from rollout_buffer.runtime.legacy import LegacyRunner
 from rollout_buffer.runtime.options import RunOptions
-from rollout_buffer.runtime.supervisor import WorkerSupervisor, redis_url_of
+from rollout_buffer.runtime.supervisor import WorkerSupervisor
 from rollout_buffer.runtime.taskqueue import EnqueueStopped, TaskQueue
 from rollout_buffer.runtime.tokenizers import check_tokenizer_in_child, get_tokenizer
 from rollout_buffer.runtime.worker import WorkerPool, publish_run
+from rollout_buffer.runtime.worker_env import redis_url_of
 from rollout_buffer.security.access import AccessDenied, AccessPolicy, tokenizer_unavailable
 from rollout_buffer.security.auth import run_write_url
 from rollout_buffer.settings import Settings
