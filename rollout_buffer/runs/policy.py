@@ -3,7 +3,7 @@
 Fields (all optional; values may be strings, as slime sends them):
 
 * `max_staleness`: how many policy versions older than the reader's a handed-over sample may be (default:
-  unbounded). Enforced at hand-over (`rollout_buffer.store.lua.READ_READY`) and at admission: workers do not
+  unbounded). Enforced at hand-over (`rollout_buffer.store.handover_lua.READ_READY`) and at admission: workers do not
   start a group while started-and-unconsumed groups number `(max_staleness + 1) x` the groups per read
   (`rollout_buffer.runtime.taskqueue`).
 * `stale_policy`: what happens to a group staler than the bound when a reader meets it: `requeue`

@@ -84,7 +84,7 @@ async def read_ready(store: Store, run_id: str, max_samples: int | None = None, 
                      batch_id: str = "", policy_version: int | None = None, asked_groups: int = 0) -> ReadBatch:
     """Take whole ready groups in completion order, at most `max_samples` records in all; see `ReadBatch`.
     `policy_version` is the reader's (recorded as the run's); groups staler than the run's bound are
-    dropped or requeued on the way (see `lua.READ_READY`). `asked_groups`: the batch size the reader asked
+    dropped or requeued on the way (see `handover_lua.READ_READY`). `asked_groups`: the batch size the reader asked
     for, in groups (the admission rule's "groups per read")."""
     reply = await store.script("READ_READY", [
         keys.ready(run_id), keys.records(run_id), keys.handed(run_id), keys.stats(run_id), keys.since(run_id),

@@ -13,8 +13,9 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.store import keys, lua
+from rollout_buffer.store import handover_lua, keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
+from rollout_buffer.store.lua import GROUP_FUNCTIONS
 from rollout_buffer.store.redis_client import RedisClient, check_mode, connect
 from rollout_buffer.wire.packing import pack_record
 from rollout_buffer.wire.versions import record_version
@@ -56,9 +57,9 @@ class Store:
 
     def __init__(self, client: RedisClient) -> None:
         self.redis = client
-        self.scripts = {name: client.register_script(getattr(lua, name)) for name in (
-            "WRITE_RECORD", "READ_READY", "ACK_BATCH", "SET_LEASE_OUTCOME", "EXPIRE_LEASES", "EXPIRE_GROUPS",
-            "INCR_STATS", "EXTEND_GROUPS", "SET_POLICY_VERSION")}
+        sources = {"WRITE_RECORD": WRITE_RECORD, "INCR_STATS": INCR_STATS, "SET_POLICY_VERSION": SET_POLICY_VERSION,
+                   **{name: getattr(handover_lua, name) for name in handover_lua.__all__}}
+        self.scripts = {name: client.register_script(source) for name, source in sources.items()}
         self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
 
     @classmethod
@@ -233,3 +234,115 @@ class Store:
             if isinstance(reply, BaseException):
                 raise reply
         return [self._outcome(reply) for reply in replies]
+
+
+# ----- the Lua this module runs (the hand-over's: `handover_lua`; shared functions: `lua`) -----
+
+# KEYS: 1 records 2 pending 3 ready 4 stats 5 since 6 wake 7 skip 8 closed 9 meta 10 since_groups 11 uids
+#       12 gsize 13 members 14 gversion 15 ggen
+# ARGV: 1 uid 2 blob 3 instance_id 4 epoch (-1: first epoch whose group is still open) 5 now 6 reward 7 status
+#       8 policy version ('' unversioned) 9 group generation ('' not checked: writers outside the runtime)
+# Returns {outcome, gid_or_reason}; outcome is stored | completed | duplicate | dropped (reasons: unknown_run,
+# run_superseded, skipped_group, epoch_out_of_range, stale_generation, late_write, group_overflow).
+# Epochs past num_epoch are accepted up to `epoch_limit` (groups the prompt stream added for a group filter).
+WRITE_RECORD = GROUP_FUNCTIONS + """
+local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch', 'status', 'epoch_limit')
+if not run[1] or run[3] == 'deleted' then
+  return {'dropped', 'unknown_run'}
+end
+if run[3] == 'superseded' then
+  redis.call('HINCRBY', KEYS[4], 'drop:run_superseded', 1)
+  return {'dropped', 'run_superseded'}
+end
+local uid = ARGV[1]
+if redis.call('SISMEMBER', KEYS[11], uid) == 1 then
+  redis.call('HINCRBY', KEYS[4], 'duplicate_writes', 1)
+  return {'duplicate', ''}
+end
+local iid = ARGV[3]
+local group_size = tonumber(run[1])
+local num_epoch = tonumber(run[2])
+local epoch = tonumber(ARGV[4])
+local gid
+if epoch < 0 then
+  epoch = 0
+  gid = epoch .. ':' .. iid
+  while epoch < num_epoch - 1 and (redis.call('SISMEMBER', KEYS[8], gid) == 1
+        or redis.call('SISMEMBER', KEYS[7], gid) == 1
+        or tonumber(redis.call('HGET', KEYS[12], gid) or '0') >= group_size) do
+    epoch = epoch + 1
+    gid = epoch .. ':' .. iid
+  end
+else
+  if epoch >= (tonumber(run[4] or '') or num_epoch) then
+    redis.call('HINCRBY', KEYS[4], 'drop:epoch_out_of_range', 1)
+    return {'dropped', 'epoch_out_of_range'}
+  end
+  gid = epoch .. ':' .. iid
+end
+if redis.call('SISMEMBER', KEYS[7], gid) == 1 then
+  redis.call('HINCRBY', KEYS[4], 'drop:skipped_group', 1)
+  return {'dropped', 'skipped_group'}
+end
+if ARGV[9] ~= '' and tonumber(ARGV[9]) ~= tonumber(redis.call('HGET', KEYS[15], gid) or '0') then
+  redis.call('HINCRBY', KEYS[4], 'drop:stale_generation', 1)
+  return {'dropped', 'stale_generation'}
+end
+if redis.call('SISMEMBER', KEYS[8], gid) == 1 then
+  redis.call('HINCRBY', KEYS[4], 'drop:late_write', 1)
+  return {'dropped', 'late_write'}
+end
+local size = tonumber(redis.call('HGET', KEYS[12], gid) or '0')
+if size >= group_size then
+  redis.call('HINCRBY', KEYS[4], 'drop:group_overflow', 1)
+  return {'dropped', 'group_overflow'}
+end
+redis.call('HSET', KEYS[1], uid, ARGV[2])
+redis.call('SADD', KEYS[11], uid)
+size = size + 1
+redis.call('HSET', KEYS[12], gid, size)
+redis.call('HSET', KEYS[13], gid .. '|' .. size, uid)
+if ARGV[8] ~= '' then
+  local oldest = tonumber(redis.call('HGET', KEYS[14], gid) or '')
+  if not oldest or tonumber(ARGV[8]) < oldest then redis.call('HSET', KEYS[14], gid, ARGV[8]) end
+end
+if size == 1 then
+  redis.call('ZADD', KEYS[2], ARGV[5], gid)
+end
+redis.call('HINCRBY', KEYS[4], 'records_written', 1)
+redis.call('HINCRBY', KEYS[4], 'status:' .. ARGV[7], 1)
+redis.call('HINCRBY', KEYS[5], 'total_samples', 1)
+redis.call('HINCRBYFLOAT', KEYS[5], 'reward_sum', ARGV[6])
+redis.call('HINCRBY', KEYS[5], 'status:' .. ARGV[7], 1)
+redis.call('SADD', KEYS[10], gid)
+if size == group_size then
+  redis.call('ZREM', KEYS[2], gid)
+  redis.call('SADD', KEYS[8], gid)
+  redis.call('RPUSH', KEYS[3], gid)
+  redis.call('HINCRBY', KEYS[4], 'groups_completed', 1)
+  wake(KEYS[6])
+  return {'completed', gid}
+end
+return {'stored', gid}
+"""
+
+# KEYS: 1 meta 2 stats. ARGV: (name, amount) pairs. Adds to the run's counters unless the run is gone
+# (a counter must not re-create the keys of a deleted run).
+INCR_STATS = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'deleted' then return 0 end
+for i = 1, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+return 1
+"""
+
+# KEYS: 1 meta 2 stats. ARGV: 1 version. Sets the trainer's policy version of a live run.
+# Returns {1 (live) or 0, previous version or ''}.
+SET_POLICY_VERSION = GROUP_FUNCTIONS + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'deleted' then return {0, ''} end
+local previous = redis.call('HGET', KEYS[1], 'policy_version') or ''
+set_version(KEYS[1], KEYS[2], ARGV[1])
+return {1, previous}
+"""
