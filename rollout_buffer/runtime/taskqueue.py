@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from redis.exceptions import ResponseError
 
+from rollout_buffer.runtime.plan import iter_task_plan, planned_tasks
 from rollout_buffer.store import keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.store.redis_client import RedisClient
@@ -233,27 +233,6 @@ def _parse_entries(entries: list[Any]) -> list[Task]:
         data = {_text(k): _text(v) for k, v in fields.items()}
         tasks.append(Task(_text(entry_id), int(data["e"]), data["i"], int(data["r"]), int(data.get("g") or 0)))
     return tasks
-
-
-def iter_task_plan(instance_ids: list[str], num_epoch: int, repeats: int) -> Iterator[tuple[int, int, str, int]]:
-    """(seq, epoch, instance_id, repeat) for the whole run, in a fixed order; seq counts from 1."""
-    seq = 0
-    for epoch in range(num_epoch):
-        for instance_id in instance_ids:
-            for repeat in range(repeats):
-                seq += 1
-                yield seq, epoch, instance_id, repeat
-
-
-def planned_tasks(instance_ids: list[str], num_epoch: int, repeats: int, excluded: set[str]) -> int:
-    """How many tasks `iter_task_plan` yields outside the `excluded` groups, without walking the plan."""
-    ids = set(instance_ids)
-    skipped = 0
-    for group_id in excluded:
-        epoch, _, instance_id = group_id.partition(":")
-        if epoch.isdecimal() and int(epoch) < num_epoch and instance_id in ids:
-            skipped += 1
-    return (len(ids) * num_epoch - skipped) * repeats
 
 
 class TaskQueue:

@@ -16,8 +16,9 @@ import pytest
 
 from rollout_buffer.runs.lifecycle import StartRolloutError, start_run
 from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.runtime.plan import planned_tasks
 from rollout_buffer.runtime.service import RolloutRuntime
-from rollout_buffer.runtime.taskqueue import TaskQueue, planned_tasks
+from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.security.access import AccessPolicy
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys

@@ -16,9 +16,10 @@ from rollout_buffer.runtime.engine_http import RetryPolicy, new_session
 from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.inputs import read_samples
 from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.runtime.plan import iter_task_plan
 from rollout_buffer.runtime.prompt_tokens import PromptTokens
 from rollout_buffer.runtime.sglang_client import GenerateClient
-from rollout_buffer.runtime.taskqueue import TaskQueue, iter_task_plan
+from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.builtin.boxed import answers_match, boxed_reward, extract_boxed
