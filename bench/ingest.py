@@ -112,7 +112,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         tmp_path = Path(tmp)
         input_file = write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "x"}])
         with ServerProcess(tmp_path / "data", "--task-dir", str(tasks), "--workers", "0",
-                           env={"ROLLOUT_BUFFER_BENCH_ROUTES": "1"}) as server:
+                           module="bench.baseline_server") as server:
             return asyncio.run(_run_async(server.url, input_file, count, batch_size))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,14 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             from rollout_buffer.demo import main as demo_main
 
             return demo_main(rest)
-        sys.path.insert(0, os.getcwd())  # bench/ and tests/ live in the repository, not in the package
-        try:
-            from bench.__main__ import main as bench_main
-        except ModuleNotFoundError:
+        # bench/ and tests/ live in the repository, not in the package: run them there, in a process of
+        # their own, rather than putting the working directory on this process's import path
+        if not os.path.isfile(os.path.join("bench", "__main__.py")):
             print("rollout-buffer bench: run it from the repository root (the bench/ folder is not installed)",
                   file=sys.stderr)
             return 2
-        return bench_main(rest)
+        return subprocess.call([sys.executable, "-m", "bench", *rest])
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from(args)

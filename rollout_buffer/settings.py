@@ -61,8 +61,6 @@ class Settings(BaseSettings):
     log_level: str = "info"
     # How often the upkeep loop samples each live run's counters for the dashboard's throughput charts.
     timeline_interval_s: float = Field(default=5.0, gt=0)
-    # Adds `/_bench/parse_only` (parses a record, stores nothing): the ingest benchmark's baseline.
-    bench_routes: bool = False
     # Network safety (README "Running on a network"). With a token, every route but /health needs
     # `Authorization: Bearer <token>`; `auth_token_file` reads it from a file (first line) instead.
     auth_token: SecretStr | None = None

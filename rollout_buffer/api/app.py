@@ -110,8 +110,6 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     install_dashboard(app)
     for router in (runs.router, writes.router, reads.router, policy.router, ops.router, remote_router):
         app.include_router(router)
-    if settings.bench_routes:
-        app.include_router(writes.bench_router)
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     token = settings.resolved_auth_token()

@@ -34,10 +34,11 @@ def free_port() -> int:
 
 class ServerProcess:
     """`python -m rollout_buffer.cli serve` in a child process, with its own data dir and port. Its input
-    roots are `input_roots_for_tests()` unless `env` (or the environment) sets `ROLLOUT_BUFFER_INPUT_ROOT`."""
+    roots are `input_roots_for_tests()` unless `env` (or the environment) sets `ROLLOUT_BUFFER_INPUT_ROOT`.
+    `module`: another module with the CLI's `main` (the benchmark's server with its baselines mounted)."""
 
     def __init__(self, data_dir: Path, *args: str, env: dict[str, str] | None = None, command: str = "serve",
-                 cwd: Path = REPO) -> None:
+                 cwd: Path = REPO, module: str = "rollout_buffer.cli") -> None:
         self.data_dir = Path(data_dir)
         self.cwd = cwd
         self.port = free_port()
@@ -47,6 +48,7 @@ class ServerProcess:
         self.env = {"ROLLOUT_BUFFER_WORKER_PROCESSES": "0", "ROLLOUT_BUFFER_INPUT_ROOT": input_roots_for_tests(),
                     **os.environ, **(env or {})}
         self.command = command
+        self.module = module
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = (self.cwd / self.data_dir).parent / f"server-{self.port}.log"
 
@@ -57,7 +59,7 @@ class ServerProcess:
     def start(self, timeout_s: float = 30.0) -> "ServerProcess":
         (self.cwd / self.data_dir).mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        cmd = [sys.executable, "-m", "rollout_buffer.cli", self.command, "--port", str(self.port),
+        cmd = [sys.executable, "-m", self.module, self.command, "--port", str(self.port),
                "--data-dir", str(self.data_dir), "--log-level", "warning", *self.args]
         self.proc = subprocess.Popen(cmd, cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()

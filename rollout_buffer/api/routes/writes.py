@@ -15,7 +15,6 @@ from rollout_buffer.wire.record_parsing import parse_batch, parse_record
 from rollout_buffer.wire.schema import BatchWriteRequest, TrajectoryRecord
 
 router = APIRouter()
-bench_router = APIRouter(include_in_schema=False)
 
 
 def batch_answer(state: AppState, run_id: str, uids: list[str], outcomes: list[WriteOutcome]) -> dict[str, Any]:
@@ -119,17 +118,3 @@ async def buffer_write_packed(request: Request, run_id: str | None = None) -> An
     outcomes = await state.store.write_records(run_id, [i.fields for i in items],
                                                blobs=[stamped_blob(i, run_id) for i in items])
     return batch_answer(state, run_id, [i.fields["uid"] for i in items], outcomes)
-
-
-@bench_router.post("/_bench/parse_only")
-async def bench_parse_only(request: Request) -> Any:
-    """Benchmark baseline (`--bench-routes`): the same body parsing as /buffer/write, and nothing else."""
-    parsed = await parse_body_with(request, parse_record)
-    return {"success": True, "message": "parsed", "data": {"uid": parsed.record.uid}}
-
-
-@bench_router.post("/_bench/read_only")
-async def bench_read_only(request: Request) -> Any:
-    """Benchmark baseline (`--bench-routes`): the HTTP limit of this stack: read the body, parse nothing."""
-    body = await request.body()
-    return {"success": True, "message": "read", "data": {"bytes": len(body)}}
