@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 
 from rollout_buffer.store.embedded import EmbeddedRedis
 from rollout_buffer.store.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-from tests.support.helpers import SlimeLikeDataBuffer
+from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer
 from tests.support.redis_cluster import LocalRedisCluster
 
 if TYPE_CHECKING:
@@ -34,6 +35,48 @@ def pytest_configure(config: pytest.Config) -> None:
         except (ImportError, AttributeError):
             continue
         config.addinivalue_line("filterwarnings", f"error::{dotted}")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module whose `SERVER` names several Redis backends runs its tests once per backend."""
+    spec = getattr(metafunc.module, "SERVER", None)
+    if isinstance(spec, ServerSpec) and len(spec.backends) > 1 and "server" in metafunc.fixturenames:
+        metafunc.parametrize("server", spec.backends, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The test module's `rollout-buffer serve` process, started as its `SERVER` (a `ServerSpec`) says, once
+    per module (and per backend)."""
+    from tests.support.backends import backend
+
+    spec = getattr(request.module, "SERVER", None)
+    if not isinstance(spec, ServerSpec):
+        raise pytest.UsageError(f"{request.module.__name__} uses `server` but sets no SERVER = ServerSpec(...)")
+    if spec.shared is not None:
+        yield request.getfixturevalue(spec.shared)
+        return
+    args = list(spec.args)
+    if spec.task_files:
+        folder = tmp_path_factory.mktemp("tasks")
+        for name, source in spec.task_files.items():
+            (folder / name).write_text(source)
+        args += ["--task-dir", str(folder)]
+    args += backend(request, getattr(request, "param", spec.backends[0])).server_args()
+    if spec.cwd_fixture is not None:
+        cwd = request.getfixturevalue(spec.cwd_fixture)[spec.cwd_key]
+        process = ServerProcess(Path(spec.data_dir), *args, env=spec.env, cwd=cwd)
+    else:
+        process = ServerProcess(tmp_path_factory.mktemp("server") / spec.data_dir, *args, env=spec.env)
+    with process as proc:
+        yield proc
+
+
+@pytest.fixture()
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    """An HTTP client on the module's server."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
 
 
 @pytest.fixture(scope="session")

@@ -21,16 +21,13 @@ from slime_adapter.auth import BufferAuthError, auth_headers, remember_token, to
 from slime_adapter.buffer_client import fetch_rollout_data
 from slime_adapter.run_health import get_run_detail
 from slime_adapter.settings import AgentRolloutSettings
-from tests.support.helpers import REPO, ServerProcess, make_record, write_jsonl
+from tests.support.helpers import REPO, ServerProcess, ServerSpec, make_record, write_jsonl
 
 TOKEN = "adapter-token-0123456789abcdef"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(tmp_path_factory.mktemp("adapter-token"), "--task-dir",
-                       str(REPO / "tests" / "fixtures" / "tasks"), env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN}) as proc:
-        yield proc
+SERVER = ServerSpec(args=("--task-dir", str(REPO / "tests" / "fixtures" / "tasks")),
+                    env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
 
 
 @pytest.fixture(autouse=True)

@@ -26,14 +26,12 @@ from slime_adapter.agent_rollout import (
     reset_state,
 )
 from slime_adapter.sample import Sample
-from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, make_record, write_jsonl
+from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer, make_record, write_jsonl
 
 SYSTEM = [{"role": "user", "content": "What is 6*7?"}]
 
 
-@pytest.fixture()
-def server(external_buffer: ServerProcess) -> ServerProcess:
-    return external_buffer
+SERVER = ServerSpec(shared="external_buffer")
 
 
 @pytest.fixture(autouse=True)

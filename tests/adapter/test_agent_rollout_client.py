@@ -34,12 +34,9 @@ from slime_adapter.agent_rollout import (
 from slime_adapter.buffer_client import long_poll_wait_s
 from slime_adapter.build import BuildStats
 from slime_adapter.settings import AgentRolloutSettings
-from tests.support.helpers import ServerProcess, free_port, make_record, write_jsonl
+from tests.support.helpers import ServerProcess, ServerSpec, free_port, make_record, write_jsonl
 
-
-@pytest.fixture()
-def server(external_buffer: ServerProcess) -> ServerProcess:
-    return external_buffer
+SERVER = ServerSpec(shared="external_buffer")
 
 
 @pytest.fixture()

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 
 from rollout_buffer.cli import build_parser, settings_from, warn_if_exposed
 from rollout_buffer.security.auth import bearer_matches, capability, is_loopback, run_write_url
-from tests.support.helpers import REPO, ServerProcess
+from tests.support.helpers import REPO, ServerProcess, ServerSpec
 from tests.support.runtime_helpers import LEGACY_TASKS, wait_status, write_rows
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -29,11 +28,7 @@ DOCS_AND_STATIC = ["/docs", "/docs/oauth2-redirect", "/openapi.json", "/static/d
                    "/static/docs/swagger-ui-bundle.js", "/static/docs/favicon.png", "/no/such/route"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(tmp_path_factory.mktemp("auth"), "--task-dir", LEGACY_TASKS,
-                       env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN}) as proc:
-        yield proc
+SERVER = ServerSpec(args=("--task-dir", LEGACY_TASKS), env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
 
 
 def schema_requests(server: ServerProcess) -> list[tuple[str, str]]:

@@ -26,23 +26,13 @@ from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.discovery import discover
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from rollout_buffer.wire.schema import StartRolloutRequest
-from tests.support.helpers import ServerProcess, write_jsonl
+from tests.support.helpers import ServerProcess, ServerSpec, write_jsonl
 from tests.support.runtime_helpers import LEGACY_TASKS, RUNTIME_TASKS
 
 ROWS = [{"instance_id": f"q{i}", "prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(10)]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(tmp_path_factory.mktemp("limits"), "--task-dir", LEGACY_TASKS, "--max-tasks-per-run", "100",
-                       "--max-body-mb", "0.001") as proc:
-        yield proc
-
-
-@pytest.fixture()
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        yield http
+SERVER = ServerSpec(args=("--task-dir", LEGACY_TASKS, "--max-tasks-per-run", "100", "--max-body-mb", "0.001"))
 
 
 def native_body(input_file: Path, **extra: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from tests.remote.test_remote_protocol import FAST_CALLBACKS, TASKS, delivered_state, init_body, start
-from tests.support.helpers import ServerProcess
+from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.recording_trainer import RecordingTrainer, run_recording_trainer_in_thread
 
 # The scripted model: first two calculator calls in compact JSON (keys in either order) with whitespace at the
@@ -27,6 +27,9 @@ ANSWER = " The answer is \\boxed{391}.\n"
 USER = "<|im_start|>user\n"
 
 
+SERVER = ServerSpec(args=("--task-dir", TASKS, "--workers", "0"), env=FAST_CALLBACKS)
+
+
 def scripted_model(prompt_text: str, rng: random.Random) -> str:
     """Answer by how many tool results follow the last real user query."""
     turns = prompt_text.split(USER)
@@ -36,13 +39,6 @@ def scripted_model(prompt_text: str, rng: random.Random) -> str:
             break
         results += turn.count("<tool_response>")
     return TWO_CALLS if results == 0 else ONE_CALL if results == 2 else ANSWER
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    data = tmp_path_factory.mktemp("remote-drift") / "data"
-    with ServerProcess(data, "--task-dir", TASKS, "--workers", "0", env=FAST_CALLBACKS) as process:
-        yield process
 
 
 @pytest.fixture(scope="module")

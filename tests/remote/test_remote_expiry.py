@@ -17,11 +17,14 @@ from rollout_buffer.remote.state import RemoteStates
 from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
 from tests.remote.test_remote_protocol import FAST_CALLBACKS, TASKS, delivered_state, init_body, start
-from tests.support.helpers import ServerProcess
+from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.recording_trainer import RecordingTrainer, run_recording_trainer_in_thread
 
 TTL_S = 1.0
 ENV = {**FAST_CALLBACKS, "ROLLOUT_BUFFER_REMOTE_SETTLED_TTL_S": str(TTL_S), "ROLLOUT_BUFFER_REMOTE_OWNER_TTL_S": "1"}
+
+
+SERVER = ServerSpec(args=("--task-dir", TASKS, "--workers", "0"), env=ENV)
 
 
 def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:
@@ -58,13 +61,6 @@ async def test_settle_expires_the_state_and_prune_drops_only_expired_index_entri
 def trainer() -> Iterator[RecordingTrainer]:
     with run_recording_trainer_in_thread(template="qwen2.5", seed=11, noise_tokens=(0, 0)) as recording:
         yield recording
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    data = tmp_path_factory.mktemp("remote-expiry") / "data"
-    with ServerProcess(data, "--task-dir", TASKS, "--workers", "0", env=ENV) as process:
-        yield process
 
 
 def store_of(server: ServerProcess) -> redis.Redis:

@@ -16,13 +16,17 @@ import pytest
 
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from tests.fixtures.remote_tasks.remote_calculator_generator import TOOLS
-from tests.support.backends import CLUSTER_BACKENDS, backend, shared_redis_args
-from tests.support.helpers import ServerProcess
+from tests.support.backends import CLUSTER_BACKENDS, shared_redis_args
+from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.recording_trainer import RecordingTrainer, run_recording_trainer_in_thread
 
 TASKS = str(Path(__file__).parents[1] / "fixtures" / "remote_tasks")
 FAST_CALLBACKS = {"ROLLOUT_BUFFER_REMOTE_CALLBACK_BACKOFF_S": "0.05",
                   "ROLLOUT_BUFFER_REMOTE_CALLBACK_MAX_BACKOFF_S": "0.2"}
+
+
+SERVER = ServerSpec(args=("--task-dir", TASKS, "--workers", "0"), env=FAST_CALLBACKS,
+                    backends=tuple(CLUSTER_BACKENDS))
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +35,6 @@ def trainer() -> Iterator[RecordingTrainer]:
     turns (drift, and what it does to the trainer's context, is tested in test_remote_drift)."""
     with run_recording_trainer_in_thread(template="qwen2.5", seed=7, noise_tokens=(0, 0)) as recording:
         yield recording
-
-
-@pytest.fixture(scope="module", params=CLUSTER_BACKENDS)
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    data = tmp_path_factory.mktemp("remote") / "data"
-    with ServerProcess(data, "--task-dir", TASKS, "--workers", "0", *backend(request).server_args(),
-                       env=FAST_CALLBACKS) as process:
-        yield process
 
 
 def init_body(trainer: RecordingTrainer, *, task_type: str = "remote_calculator", tools: bool = True,

@@ -6,7 +6,6 @@ the local cache only; `--allow-url` restricts the URLs the server calls."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,10 +13,15 @@ import pytest
 
 from rollout_buffer.security.access import AccessDenied, AccessPolicy, url_allowed
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
-from tests.support.helpers import REPO, ServerProcess, write_jsonl
+from tests.support.helpers import REPO, ServerSpec, write_jsonl
 from tests.support.runtime_helpers import LEGACY_TASKS
 
 ALLOWED = "http://127.0.0.1:9/ok"
+
+
+# started in the root folder with no --input-root: the default root is that folder
+SERVER = ServerSpec(args=("--task-dir", LEGACY_TASKS, "--allow-url", ALLOWED), cwd_fixture="layout",
+                    data_dir=".rb-data", env={"ROLLOUT_BUFFER_INPUT_ROOT": "", "PYTHONPATH": str(REPO)})
 
 
 def refusal(path: str) -> str:
@@ -45,21 +49,6 @@ def layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "to_tokenizer").symlink_to(qwen_tokenizer_dir("qwen2.5"))
     (root / "folder").mkdir()
     return {"base": base, "root": root, "outside": outside}
-
-
-@pytest.fixture(scope="module")
-def server(layout: dict[str, Path]) -> Iterator[ServerProcess]:
-    """Started in the root folder with no --input-root: the default root is that folder."""
-    env = {"ROLLOUT_BUFFER_INPUT_ROOT": "", "PYTHONPATH": str(REPO)}
-    with ServerProcess(Path(".rb-data"), "--task-dir", LEGACY_TASKS, "--allow-url", ALLOWED, cwd=layout["root"],
-                       env=env) as proc:
-        yield proc
-
-
-@pytest.fixture()
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        yield http
 
 
 def start(client: httpx.Client, **body: object) -> httpx.Response:

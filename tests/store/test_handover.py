@@ -5,29 +5,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.backends import BACKENDS, backend
-from tests.support.helpers import ServerProcess, make_record, start_run, write_jsonl
+from tests.support.backends import BACKENDS
+from tests.support.helpers import ServerSpec, make_record, start_run, write_jsonl
 
 TASKS = str(Path(__file__).parents[1] / "fixtures" / "tasks")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--task-dir", TASKS, *backend(request).server_args()]
-    with ServerProcess(tmp_path_factory.mktemp("data"), *args) as proc:
-        yield proc
-
-
-@pytest.fixture()
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
+SERVER = ServerSpec(args=("--task-dir", TASKS), backends=tuple(BACKENDS))
 
 
 @pytest.fixture()

@@ -60,9 +60,10 @@ class Backend:
             return list(client.keys("*"))
 
 
-def backend(request: pytest.FixtureRequest) -> Backend:
-    """The backend named by `request.param`; the cluster is flushed for the server about to start on it."""
-    name = str(request.param)
+def backend(request: pytest.FixtureRequest, name: str | None = None) -> Backend:
+    """The backend named by `name` (default: `request.param`); the cluster is flushed for the server about
+    to start on it."""
+    name = str(request.param) if name is None else name
     if name != "cluster":
         return Backend(name)
     cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How a test module's buffer server starts (the `server` fixture of tests/conftest.py reads the
+    module's `SERVER`): `rollout-buffer serve` flags and environment, the Redis backends it runs on (once
+    per backend), task modules written to a folder of their own (file name -> source), and, for a module
+    whose server must start in a folder of its own, the fixture that gives that folder (`cwd_fixture`,
+    read at `cwd_key`) with the data dir relative to it. `shared` names a session-wide server fixture
+    to use instead of starting one."""
+
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    backends: tuple[str, ...] = ("embedded",)
+    task_files: dict[str, str] = field(default_factory=dict)
+    cwd_fixture: str | None = None
+    cwd_key: str = "root"
+    data_dir: str = "data"
+    shared: str | None = None  # a session-wide server fixture the module uses instead of one of its own
 
 
 class ServerProcess:

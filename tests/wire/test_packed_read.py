@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import struct
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from rollout_buffer.wire.packed_batch import CONTENT_TYPE as WRITE_PACKED
 from rollout_buffer.wire.packed_batch import encode_batch
 from rollout_buffer.wire.packed_read import PackedReadError, decode, encode_answer, stored_record, wants_packed
 from rollout_buffer.wire.packing import pack_record, read_header, unpack_record
-from tests.support.helpers import ServerProcess, start_run, write_jsonl
+from tests.support.helpers import ServerSpec, start_run, write_jsonl
 from tests.support.trajectories import bits, forked_trajectory, plain, tool_trajectory
 
 TASKS = str(Path(__file__).parents[1] / "fixtures" / "tasks")
@@ -59,19 +58,7 @@ def transform_group(group, task_type):
 '''
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    extra = tmp_path_factory.mktemp("tasks")
-    (extra / "trim_generator.py").write_text(TRIM_TASK)
-    with ServerProcess(tmp_path_factory.mktemp("data"), "--task-dir", TASKS, "--task-dir", str(extra),
-                       "--workers", "0") as proc:
-        yield proc
-
-
-@pytest.fixture()
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
+SERVER = ServerSpec(args=("--task-dir", TASKS, "--workers", "0"), task_files={"trim_generator.py": TRIM_TASK})
 
 
 @pytest.fixture()
