@@ -4,7 +4,6 @@ Redis and on a real 3-node Redis Cluster."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,10 @@ def test_delete_run_mid_rollout_returns_redis_to_its_baseline(tmp_path: Path, ro
             assert detail["tasks"]["running"] > 0 and detail["groups"]["leased"] >= 2, "deleted mid-rollout"
             assert client.delete(f"/runs/{run_id}").json()["success"]
             assert client.delete(f"/runs/{run_id}").status_code == 404
-            time.sleep(3.0)  # in-flight rollouts end (cancelled by their workers) and nothing re-creates keys
+            # in-flight rollouts end (cancelled by their workers) and nothing re-creates the run's keys
+            wait_for(lambda: rollout_engine.stats_dict()["in_flight"] == 0
+                     and sorted(redis_backend.keys(server)) == baseline, 15.0,
+                     "the deleted run's rollouts ended and its keys are gone")
             assert sorted(redis_backend.keys(server)) == baseline
             assert client.get(f"/runs/{run_id}").status_code == 404
             assert client.post("/get_rollout_data", json={"run_id": run_id}).status_code == 404
@@ -77,10 +79,13 @@ def test_a_superseded_runs_workers_stop(tmp_path: Path, rollout_engine: Any, qwe
             wait_for(lambda: run_detail(client, run_id)["tasks"]["running"] == 0, 10.0,
                      "the superseded run's rollouts stopped")
             written = run_detail(client, run_id)["records"]["written"]
-            time.sleep(1.5)
+            # the successor's rollouts run on the same workers: once it has written more records, the
+            # superseded run's workers had every chance to write too
+            before = run_detail(client, successor)["records"]["written"]
+            wait_for(lambda: run_detail(client, successor)["records"]["written"] >= before + 4,
+                     what="the successor's rollouts go on")
             assert run_detail(client, run_id)["records"]["written"] == written, "nothing more is written to it"
             assert run_detail(client, run_id)["meta"]["status"] == "superseded"
-            wait_for(lambda: run_detail(client, successor)["records"]["written"] > 0, what="successor runs")
         finally:
             rollout_engine.configure(latency_s=0.0)
 
@@ -101,10 +106,11 @@ def test_retention_deletes_retired_runs_only(tmp_path: Path, redis_backend: Back
         runs = client.get("/runs").json()["runs"]
         assert "drained" not in runs, "beyond the 2 newest and retired: deleted when the third run started"
         assert set(runs) == {"unread", "newest"}
-        time.sleep(3.0)  # past the TTL, but both still hold a ready group: not retired
-        assert set(client.get("/runs").json()["runs"]) == {"unread", "newest"}
-        client.post("/get_rollout_data", json={"run_id": unread})
         client.post("/get_rollout_data", json={"run_id": newest})
+        # retention ran past the TTL (it deleted the run just drained) and kept the run with a ready group
+        wait_for(lambda: client.get("/runs").json()["runs"] == ["unread"], 10.0,
+                 "the drained run deleted after the TTL")
+        client.post("/get_rollout_data", json={"run_id": unread})
         wait_for(lambda: client.get("/runs").json()["runs"] == [], 10.0, "drained runs deleted after the TTL")
 
 

@@ -3,7 +3,6 @@ uid idempotency for a run's life, epoch-exact resume keys, superseded runs."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from tests.support.backends import BACKENDS
 from tests.support.helpers import ServerSpec, make_record, start_run, write_jsonl
+from tests.support.process_tools import wait_for
 
 TASKS = str(Path(__file__).parents[1] / "fixtures" / "tasks")
 
@@ -91,7 +91,8 @@ def test_an_expired_lease_puts_its_groups_back_at_the_head(client: httpx.Client,
     fill(client, run_id, ["i0", "i1"], 1)
     lost = read(client, run_id, num=1, lease_s=0.3)["data"]["meta_info"]["batch_id"]
     fill(client, run_id, ["i2"], 1)
-    time.sleep(1.5)  # the upkeep loop (1 s) or the next read ends the lease
+    wait_for(lambda: detail(client, run_id)["leases"]["lease_expired"] == 1, 10.0,
+             "the upkeep loop (every 1 s) ended the run-out lease")
     answer = read(client, run_id, lease_s=60)
     assert answer["data"]["meta_info"]["finished_groups"] == ["i0", "i1", "i2"], "expired group first, order kept"
     late = client.post("/ack", json={"run_id": run_id, "batch_id": lost}).json()
