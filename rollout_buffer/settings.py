@@ -55,7 +55,8 @@ class Settings(BaseSettings):
     # to read. None = keep.
     retain_runs: int | None = Field(default=None, ge=1)
     run_ttl_s: float | None = Field(default=None, gt=0)
-    # A task not acknowledged within this lease is reclaimed by another worker.
+    # A job (one rollout of the stream) whose worker has not renewed its claim for this long is reclaimed by
+    # another worker. The name, `--task-lease-s`, is kept: operators' command lines use it.
     task_lease_s: float = Field(default=600.0, gt=0)
     rollout_timeout_s: float = Field(default=1800.0, gt=0)
     log_level: str = "info"

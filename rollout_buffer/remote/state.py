@@ -1,6 +1,6 @@
 """Durable state of remote rollouts in Redis (`rb:remote:{rollout_id}`, see `rollout_buffer.store.keys`).
 
-Every rollout has an `owner`: the API process driving it, alive while its lease key
+Every rollout has an `owner`: the API process driving it, alive while its ownership key
 `rb:remote_owner:{owner}` exists. All state changes go through one Lua script that checks the owner (and
 optionally the status) first, so a process that lost its rollout to a takeover can never move it again,
 and the claim of a new rollout_id is one atomic "create if absent". Each script touches one key only, so

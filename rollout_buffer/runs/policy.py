@@ -5,7 +5,7 @@ Fields (all optional; values may be strings, as slime sends them):
 * `max_staleness`: how many policy versions older than the reader's a handed-over sample may be (default:
   unbounded). Enforced at hand-over (`rollout_buffer.store.handover_lua.READ_READY`) and at admission: workers do not
   start a group while started-and-unconsumed groups number `(max_staleness + 1) x` the groups per read
-  (`rollout_buffer.runtime.taskqueue`).
+  (`rollout_buffer.runtime.jobqueue`).
 * `stale_policy`: what happens to a group staler than the bound when a reader meets it: `requeue`
   (default: roll it out again, native tasks only), `drop`, or `keep` (hand it over and count it).
 * `max_requeues`: how often one group may be rolled out again (default 3); a group still too stale after

@@ -1,7 +1,7 @@
 """Worker processes that live and die with the command that started them.
 
 `serve --worker-processes N` and `rollout-buffer worker --processes N` run N rollout worker processes
-(`python -m rollout_buffer.runtime.supervisor`, see `child_main`), which join the task stream's consumer group like any
+(`python -m rollout_buffer.runtime.supervisor`, see `child_main`), which join the job stream's consumer group like any
 other worker. Their life follows the parent's:
 
 * started with it, each told its place (`index` of `count`) so the processes split every run's

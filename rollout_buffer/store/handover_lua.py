@@ -4,7 +4,7 @@ prompt stream's extension after a read. The functions they share are in `store.l
 """
 
 from rollout_buffer.store.lua import GROUP_FUNCTIONS
-from rollout_buffer.store.stream_lua import EXTEND_GROUPS, TASK_FUNCTIONS
+from rollout_buffer.store.stream_lua import EXTEND_GROUPS, STREAM_FUNCTIONS
 
 __all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "READ_READY", "SET_LEASE_OUTCOME"]
 
@@ -21,7 +21,7 @@ __all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "READ
 # lease the groups stay stored under the batch ({'leased', lease JSON, groups...}); without, they are
 # deleted and marked handed over ({'handed', info JSON, groups...}). Each group is {gid, {uid, blob, ...}}.
 # Nothing to hand over: {'empty', info JSON or ''} (the info names stale groups dealt with on the way).
-READ_READY = GROUP_FUNCTIONS + TASK_FUNCTIONS + """
+READ_READY = GROUP_FUNCTIONS + STREAM_FUNCTIONS + """
 local now = tonumber(ARGV[4])
 local lease_s = tonumber(ARGV[2])
 local bid = ARGV[3]
@@ -128,7 +128,7 @@ return out
 # (stored with the lease by SET_LEASE_OUTCOME: counters, groups a filter dropped) is counted now, those
 # dropped groups are replaced from the prompt stream, and filtered groups free admission at once. Returns {outcome, groups, groups added}: acked |
 # already_acked | expired | unknown.
-ACK_BATCH = GROUP_FUNCTIONS + TASK_FUNCTIONS + """
+ACK_BATCH = GROUP_FUNCTIONS + STREAM_FUNCTIONS + """
 local bid = ARGV[1]
 local raw = redis.call('HGET', KEYS[2], bid)
 if not raw then

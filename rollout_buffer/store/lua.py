@@ -11,11 +11,11 @@ keeps the oldest in `gversion`. A read knows the trainer's policy version; a gro
 `max_staleness` is not handed over: it is dropped, or rolled out again (`rollout_buffer.store.stream_lua`), as the
 run's `stale_policy` says ("keep" hands it over; the reader counts it). Every group that leaves the buffer
 for good (handed over, acknowledged, dropped, requeued, timed out) counts in `groups_consumed`, the other
-half of the runtime's admission rule (`rollout_buffer.runtime.taskqueue`).
+half of the runtime's admission rule (`rollout_buffer.runtime.jobqueue`).
 
 The scripts themselves live beside the code that runs them: the write and the run counters in
 `store.store`, reads, acknowledgements and expiry in `store.handover_lua` (run by `store.handover`), the
-task stream's in `store.stream_lua` and `runtime.taskqueue`.
+job stream's in `store.stream_lua` and `runtime.jobqueue`.
 """
 
 # Shared functions, prepended to the scripts that need them.

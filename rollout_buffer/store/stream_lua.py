@@ -1,16 +1,16 @@
-"""Lua functions that add rollout work to a run's task stream from inside the hand-over scripts.
+"""Lua functions that add rollout work (jobs) to a run's job stream from inside the hand-over scripts.
 
 A group whose data was thrown away (too stale, `stale_policy` "requeue") is rolled out again as a new
-*generation*: new tasks, new uids, the same group key. A group the run's `group_filter` dropped is replaced
+*generation*: new jobs, new uids, the same group key. A group the run's `group_filter` dropped is replaced
 by the next group of the prompt stream: the input file read epoch after epoch, past `num_epoch` (DAPO's
 over-sampling, capped by `max_extra_groups`). Both append whole groups at the end of the stream in one
-atomic step, with stream ids `0-<n>` that keep counting up (see `rollout_buffer.runtime.taskqueue`), and
+atomic step, with stream ids `0-<n>` that keep counting up (see `rollout_buffer.runtime.jobqueue`), and
 both put a finished run back to `running`, so its workers serve it again (the caller announces it on the
 run-events stream).
 """
 
-# Prepended to the scripts that append tasks. Groups are "{epoch}:{instance_id}".
-TASK_FUNCTIONS = """
+# Prepended to the scripts that append jobs. Groups are "{epoch}:{instance_id}".
+STREAM_FUNCTIONS = """
 local function last_task_seq(k_tasks)
   local tail = redis.call('XREVRANGE', k_tasks, '+', '-', 'COUNT', 1)
   if #tail == 0 then return 0 end
@@ -76,7 +76,7 @@ end
 # KEYS: 1 meta 2 stats 3 tasks 4 lines 5 skip 6 closed. ARGV: 1 groups wanted 2 groups filtered in all.
 # After a read that handed groups over for good: replaces those a group filter dropped, and lets every
 # filtered group free admission at once (it is not part of the batch being trained on). Returns groups added.
-EXTEND_GROUPS = TASK_FUNCTIONS + """
+EXTEND_GROUPS = STREAM_FUNCTIONS + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local filtered = tonumber(ARGV[2])
 if filtered > 0 and redis.call('HEXISTS', KEYS[1], 'consumed_before_version') == 1 then

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from rollout_buffer.runs.lifecycle import StartRolloutError, start_run
+from rollout_buffer.runtime.jobqueue import JobQueue
 from rollout_buffer.runtime.options import RunOptions
-from rollout_buffer.runtime.plan import planned_tasks
+from rollout_buffer.runtime.plan import planned_jobs
 from rollout_buffer.runtime.service import RolloutRuntime
-from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.security.access import AccessPolicy
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys
@@ -141,8 +141,8 @@ def test_an_oversize_body_is_413_on_every_route(client: httpx.Client, server: Se
 
 def test_planned_task_count_matches_the_plan() -> None:
     ids = ["a", "b", "c"]
-    assert planned_tasks(ids, 2, 3, set()) == 18
-    assert planned_tasks(ids, 2, 3, {"0:a", "1:c", "5:a", "0:zz", "x:a"}) == 12, "only groups of the plan count"
+    assert planned_jobs(ids, 2, 3, set()) == 18
+    assert planned_jobs(ids, 2, 3, {"0:a", "1:c", "5:a", "0:zz", "x:a"}) == 12, "only groups of the plan count"
 
 
 async def _spec(store: Store, tmp_path: Path, run_id: str, lines: int, epochs: int) -> Any:
@@ -159,7 +159,7 @@ async def test_the_start_answers_before_enqueueing_and_a_stopped_enqueue_is_resu
     registry, spec = await _spec(redis_store, tmp_path, "big-run", 2000, 50)
     runtime = RolloutRuntime(redis_store, registry, settings)
     await runtime.launch(spec)  # what /start_rollout awaits
-    queue = TaskQueue(redis_store.redis, "big-run")
+    queue = JobQueue(redis_store.redis, "big-run")
     assert not (await queue.progress())["done"], "100,000 tasks are not enqueued inside the start"
     await runtime.wait_enqueued("big-run")
     assert await queue.progress() == {"enqueued": 100_000, "tasks_total": 100_000, "done": True}
@@ -167,7 +167,7 @@ async def test_the_start_answers_before_enqueueing_and_a_stopped_enqueue_is_resu
     registry, spec = await _spec(redis_store, tmp_path, "cut-run", 2000, 25)
     await runtime.launch(spec)
     await runtime.shutdown()  # the process stops mid-enqueue
-    cut = TaskQueue(redis_store.redis, "cut-run")
+    cut = JobQueue(redis_store.redis, "cut-run")
     assert not (progress := await cut.progress())["done"], progress
     restarted = RolloutRuntime(redis_store, registry, settings)
     restarted.start()  # at start-up it carries on with half-enqueued runs

@@ -22,8 +22,8 @@ from rollout_buffer.runtime.engine_http import (
     post_once,
 )
 from rollout_buffer.runtime.history import HistoryGuard
+from rollout_buffer.runtime.jobqueue import JobQueue
 from rollout_buffer.runtime.prompt_tokens import AsciiWords, PieceEncoder, piece_encoder
-from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.store.batching import Coalescer
 from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.builtin.calculator_generator import TOOLS
@@ -246,7 +246,7 @@ async def test_coalescer_sends_concurrent_calls_together_and_keeps_failures_apar
 async def test_task_scripts_share_round_trips_and_survive_a_script_flush(redis_store: Store) -> None:
     run_id = "hot-run"
     await redis_store.create_run(run_id, {}, group_size=1, num_epoch=1, task_type="math")
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     samples = [{"instance_id": f"s{i}", "prompt": str(i)} for i in range(40)]
     await queue.enqueue(samples, num_epoch=1, repeats=1, excluded=set())
     tasks = await queue.read_new("c1", 100, 10)

@@ -15,11 +15,11 @@ from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy, new_session
 from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.inputs import read_samples
+from rollout_buffer.runtime.jobqueue import JobQueue
 from rollout_buffer.runtime.options import RunOptions
-from rollout_buffer.runtime.plan import iter_task_plan
+from rollout_buffer.runtime.plan import iter_job_plan
 from rollout_buffer.runtime.prompt_tokens import PromptTokens
 from rollout_buffer.runtime.sglang_client import GenerateClient
-from rollout_buffer.runtime.taskqueue import TaskQueue
 from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.builtin.boxed import answers_match, boxed_reward, extract_boxed
@@ -132,9 +132,9 @@ async def test_enqueue_is_idempotent_resumable_and_counts_exactly(redis_store: S
     run_id = "unit-run"
     await redis_store.create_run(run_id, {}, group_size=2, num_epoch=2, task_type="math")
     samples = [{"instance_id": f"s{i}", "prompt": str(i)} for i in range(3)]
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     # A launch that died half way through enqueueing: its first tasks are in the stream already.
-    plan = [x for seq, e, i, r in list(iter_task_plan(["s0", "s1", "s2"], 2, 2))[:5] for x in (seq, e, i, r)]
+    plan = [x for seq, e, i, r in list(iter_job_plan(["s0", "s1", "s2"], 2, 2))[:5] for x in (seq, e, i, r)]
     await queue._enqueue(keys=[queue.stream, keys.stats(run_id), keys.run_meta(run_id)], args=plan)
     trained = {"0:s1", "1:s1"}  # both of s1's groups (epochs 0 and 1) were trained: excluded from the plan
     assert await queue.enqueue(samples, num_epoch=2, repeats=2, excluded=trained) == 8 - 4 + 1

@@ -290,7 +290,7 @@ def test_every_script_touches_only_keys_it_declares() -> None:
     """What a cluster requires of a script: every key it touches comes from KEYS (so the client routes it and
     the server checks that all of them share one slot); no key name is built inside a script."""
     scripts = _scripts()
-    for expected in ("rollout_buffer.store.store.WRITE_RECORD", "rollout_buffer.runtime.taskqueue._ENQUEUE",
+    for expected in ("rollout_buffer.store.store.WRITE_RECORD", "rollout_buffer.runtime.jobqueue._ENQUEUE",
                      "rollout_buffer.remote.state._CLAIM"):
         assert expected in scripts, sorted(scripts)
     for name, source in scripts.items():

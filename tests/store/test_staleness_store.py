@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from redis.asyncio.cluster import RedisCluster
 
-from rollout_buffer.runtime.taskqueue import Task, TaskQueue
+from rollout_buffer.runtime.jobqueue import Job, JobQueue
 from rollout_buffer.store import handover, keys
 from rollout_buffer.store.store import Store
 from tests.support.helpers import make_record
@@ -69,7 +69,7 @@ async def test_keep_hands_stale_groups_over(redis_store: Store) -> None:
 
 async def test_a_stale_group_is_requeued_as_its_next_generation(redis_store: Store) -> None:
     run_id = await new_run(redis_store, max_staleness=0)
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}], num_epoch=1, repeats=2, excluded=set())
     await redis_store.redis.hset(keys.run_meta(run_id), "status", "finished")  # as if its tasks were all done
     assert await write_group(redis_store, run_id, "a", [0, 0], generation=0) == ["stored", "completed"]
@@ -90,13 +90,13 @@ async def test_a_stale_group_is_requeued_as_its_next_generation(redis_store: Sto
     assert await write_group(redis_store, run_id, "a", [1, 1], generation=1) == ["stored", "completed"]
     fresh = await handover.read_ready(redis_store, run_id, policy_version=1)
     assert [g.gid for g in fresh.groups] == ["0:a"] and all(r["generation"] == 1 for r in fresh.groups[0].records)
-    first, again = Task("0-1", 0, "a", 0, 0), Task("0-3", 0, "a", 0, 1)
+    first, again = Job("0-1", 0, "a", 0, 0), Job("0-3", 0, "a", 0, 1)
     assert (first.uid(run_id), again.uid(run_id)) == (f"{run_id}:0:a:0", f"{run_id}:0:a:0@1"), "fresh uids"
 
 
 async def test_admission_defers_new_groups_beyond_the_bound(redis_store: Store) -> None:
     run_id = await new_run(redis_store, max_staleness=0, groups_per_read_hint=1)
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}, {"instance_id": "b"}], num_epoch=1, repeats=2, excluded=set())
     tasks = await queue.read_new("c1", 10, 100)
     assert [(t.instance_id, t.repeat) for t in tasks] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
@@ -114,7 +114,7 @@ async def test_admission_defers_new_groups_beyond_the_bound(redis_store: Store) 
 
 async def test_admission_follows_the_groups_per_read(redis_store: Store) -> None:
     run_id = await new_run(redis_store, group_size=1, max_staleness=1, groups_per_read_hint=1)
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": f"i{n}"} for n in range(6)], num_epoch=1, repeats=1, excluded=set())
     tasks = await queue.read_new("c1", 10, 100)
     started = [(await queue.start(t)).proceed for t in tasks]
@@ -126,7 +126,7 @@ async def test_admission_follows_the_groups_per_read(redis_store: Store) -> None
 
 async def test_the_prompt_stream_goes_on_past_the_plan(redis_store: Store) -> None:
     run_id = await new_run(redis_store, group_filter="nonzero_std")
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}, {"instance_id": "b"}], num_epoch=1, repeats=2, excluded=set(),
                         keep_order=True)
     meta = await redis_store.run_meta(run_id)
@@ -145,7 +145,7 @@ async def test_the_prompt_stream_goes_on_past_the_plan(redis_store: Store) -> No
 
 async def test_an_acknowledged_lease_applies_its_counts_and_replacements(redis_store: Store) -> None:
     run_id = await new_run(redis_store)
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}], num_epoch=1, repeats=2, excluded=set(), keep_order=True)
     await write_group(redis_store, run_id, "a", [2, 2])
     await handover.read_ready(redis_store, run_id, lease_s=30, batch_id="b1", policy_version=3)
@@ -162,7 +162,7 @@ async def test_an_acknowledged_lease_applies_its_counts_and_replacements(redis_s
 
 async def test_every_key_a_staleness_run_touches_is_a_run_key(redis_store: Store) -> None:
     run_id = await new_run(redis_store, max_staleness=0, group_filter="nonzero_std")
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}], num_epoch=1, repeats=2, excluded=set(), keep_order=True)
     for task in await queue.read_new("c", 10, 100):
         await queue.start(task)
@@ -186,7 +186,7 @@ async def test_every_key_a_staleness_run_touches_is_a_run_key(redis_store: Store
 async def test_the_current_versions_batch_counts_as_unconsumed(redis_store: Store) -> None:
     run_id = await new_run(redis_store, group_size=1, max_staleness=0, groups_per_read_hint=1, policy_version=0,
                            consumed_before_version=0)
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}, {"instance_id": "b"}], num_epoch=1, repeats=1, excluded=set())
     a, b = await queue.read_new("c1", 10, 100)
     assert (await queue.start(a)).proceed and (await queue.start(b)).deferred
@@ -200,7 +200,7 @@ async def test_the_current_versions_batch_counts_as_unconsumed(redis_store: Stor
 
 async def test_a_group_is_requeued_at_most_max_requeues_times(redis_store: Store) -> None:
     run_id = await new_run(redis_store, max_staleness=0, max_requeues=1)
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}], num_epoch=1, repeats=2, excluded=set())
     await write_group(redis_store, run_id, "a", [0, 0], generation=0)
     assert (await handover.read_ready(redis_store, run_id, policy_version=2)).requeued == ["0:a"]
@@ -225,7 +225,7 @@ async def test_a_filter_this_process_cannot_load_hands_groups_over_counted(redis
 async def test_filtered_and_stale_groups_free_admission_at_once(redis_store: Store) -> None:
     run_id = await new_run(redis_store, group_size=1, max_staleness=0, groups_per_read_hint=1, policy_version=0,
                            consumed_before_version=0)
-    queue = TaskQueue(redis_store.redis, run_id)
+    queue = JobQueue(redis_store.redis, run_id)
     await queue.enqueue([{"instance_id": "a"}, {"instance_id": "b"}, {"instance_id": "c"}], num_epoch=1, repeats=1,
                         excluded=set())
     a, b, c = await queue.read_new("c1", 10, 100)

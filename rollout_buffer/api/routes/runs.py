@@ -11,7 +11,7 @@ from rollout_buffer.api.state import state_of
 from rollout_buffer.metrics.failures import failure_summary
 from rollout_buffer.runs import retention
 from rollout_buffer.runs.lifecycle import StartRolloutError, start_run
-from rollout_buffer.runtime.taskqueue import TaskQueue
+from rollout_buffer.runtime.jobqueue import JobQueue
 from rollout_buffer.store import handover
 from rollout_buffer.wire.schema import StartRolloutRequest
 
@@ -57,7 +57,7 @@ async def run_detail(run_id: str, request: Request) -> Any:
         "config": await state.store.run_config(run_id),
         "tasks": {name: int(stats.get(f"tasks_{name}", 0)) for name in ("queued", "running", "done", "failed")},
         # enqueueing runs in the background after the start answered: tasks in the stream / planned
-        "enqueue": await TaskQueue(state.store.redis, run_id).progress(),
+        "enqueue": await JobQueue(state.store.redis, run_id).progress(),
         "groups": {
             "pending": counts["pending"],
             "ready": counts["ready"],

@@ -1,17 +1,22 @@
-"""The run's task stream: idempotent enqueue, consumer-group reads, lease reclaim, task state, admission.
+"""The run's job stream: idempotent enqueue, consumer-group reads, reclaiming stale claims, job state,
+admission.
 
-Stream ids are `0-<n>`, n counting up from 1. The plan, one task per (epoch, line, repeat), is numbered in a
+A *job* is one rollout to do: one (epoch, line, repeat) of the run, the unit of work in the stream (the
+*task* is the task module that runs it). On the wire and in Redis the counters keep their names
+(`tasks_<state>`, `/runs/{id}`'s `tasks`, the `rollout_buffer_tasks` metric, the `tasks` stream key).
+
+Stream ids are `0-<n>`, n counting up from 1. The plan, one job per (epoch, line, repeat), is numbered in a
 fixed order (its *plan sequence*), and the run's meta remembers the last plan sequence enqueued
 (`plan_seq`), so enqueueing again (a relaunch after a restart, or two API processes racing) adds nothing
 twice. Hand-over may append more groups at any time (a stale group rolled out again as a new generation,
 or the prompt stream's next groups replacing filtered ones: `rollout_buffer.store.stream_lua`); they take the
-next ids. Task state moves queued -> running -> done | failed | skipped in Lua scripts that also keep the
-`tasks_<state>` counters, acknowledge the entry and mark the run `finished` when the last task ends, so
-the counters stay exact however often a task is delivered. A rollout makes three script calls (start,
+next ids. Job state moves queued -> running -> done | failed | skipped in Lua scripts that also keep the
+`tasks_<state>` counters, acknowledge the entry and mark the run `finished` when the last job ends, so
+the counters stay exact however often a job is delivered. A rollout makes three script calls (start,
 write the record, finish); the starts and finishes of concurrent rollouts share pipelines
 (`batching.Coalescer`), so a busy worker pays a few round trips per batch, not three per rollout.
 
-Admission (AReaL's rule, for runs with a `max_staleness`): a task that would start a new group (or a new
+Admission (AReaL's rule, for runs with a `max_staleness`): a job that would start a new group (or a new
 generation of one) is *deferred* while the run's started-but-unconsumed groups number `(max_staleness + 1)
 x` the groups per read seen so far (`groups_per_read`, or `groups_per_read_hint` before the first read):
 work that could not be consumed within the bound is not started. As in AReaL, the batch of the trainer's
@@ -19,7 +24,7 @@ current policy version counts as unconsumed (it is being trained on): unconsumed
 consumed_before_version` (the groups consumed before the current version was first seen, plus those
 consumed since without being trained on: filtered, stale, timed out; all consumed groups when the trainer
 has sent no version). So with groups read in the order they were started, a group
-started at version v is handed over by version v + max_staleness. Tasks of a group already started always
+started at version v is handed over by version v + max_staleness. Jobs of a group already started always
 start, so a started group always completes.
 """
 
@@ -33,18 +38,18 @@ from typing import Any
 import orjson
 from redis.exceptions import ResponseError
 
-from rollout_buffer.runtime.plan import iter_task_plan, planned_tasks
+from rollout_buffer.runtime.plan import iter_job_plan, planned_jobs
 from rollout_buffer.store import keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.store.redis_client import RedisClient
-from rollout_buffer.store.stream_lua import TASK_FUNCTIONS
+from rollout_buffer.store.stream_lua import STREAM_FUNCTIONS
 
 TERMINAL = ("done", "failed", "skipped")
 
 # KEYS: 1 tasks stream 2 stats 3 meta. ARGV: flat (plan seq, epoch, instance_id, repeat) quadruples.
-# Adds the tasks whose plan sequence is above the run's `plan_seq`, at the next stream ids; returns how
+# Adds the jobs whose plan sequence is above the run's `plan_seq`, at the next stream ids; returns how
 # many it added (none for a run that is gone: a deleted run's keys are never re-created).
-_ENQUEUE = TASK_FUNCTIONS + """
+_ENQUEUE = STREAM_FUNCTIONS + """
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 local seq = last_task_seq(KEYS[1])
 -- runs enqueued before `plan_seq` existed numbered their stream by plan sequence
@@ -66,15 +71,15 @@ end
 return added
 """
 
-# Shared by the two task scripts. KEYS 1 taskstate 2 stats 3 meta; ARGV[3] is the time. Moves a task's
-# state, keeps the tasks_<state> counters, marks the run finished when its last task ends.
+# Shared by the two job scripts. KEYS 1 taskstate 2 stats 3 meta; ARGV[3] is the time. Moves a job's
+# state, keeps the tasks_<state> counters, marks the run finished when its last job ends.
 _STATE_LUA = """
 local function terminal(state)
   return state == 'done' or state == 'failed' or state == 'skipped'
 end
-local function set_state(task_id, old, new)
+local function set_state(job_id, old, new)
   if old == new then return end
-  redis.call('HSET', KEYS[1], task_id, new)
+  redis.call('HSET', KEYS[1], job_id, new)
   redis.call('HINCRBY', KEYS[2], 'tasks_' .. old, -1)
   redis.call('HINCRBY', KEYS[2], 'tasks_' .. new, 1)
   if terminal(new) then
@@ -90,10 +95,10 @@ local old = redis.call('HGET', KEYS[1], ARGV[1]) or 'queued'
 """
 
 # KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream 8 gstarted.
-# ARGV: 1 task id 2 instance id 3 now 4 entry id 5 consumer group 6 group id ("epoch:instance_id")
-#       7 the task's group generation.
-# A delivered task: its run gone or retired -> ack; already finished -> ack; group trained already
-# (skipped by the trainer) -> skipped + ack; the first task of its group (generation) while admission is
+# ARGV: 1 job id 2 instance id 3 now 4 entry id 5 consumer group 6 group id ("epoch:instance_id")
+#       7 the job's group generation.
+# A delivered job: its run gone or retired -> ack; already finished -> ack; group trained already
+# (skipped by the trainer) -> skipped + ack; the first job of its group (generation) while admission is
 # full -> {'deferred', 0, false}, nothing changed, not acked; otherwise running, one more attempt, and its
 # input line. Returns {previous state, attempts, line or false}.
 _START = """
@@ -130,8 +135,8 @@ set_state(ARGV[1], old, 'running')
 return {old, attempts, redis.call('HGET', KEYS[6], ARGV[2])}
 """
 
-# KEYS: 1 taskstate 2 stats 3 meta 4 tasks stream. ARGV: 1 task id 2 final state 3 now 4 entry id
-# 5 consumer group, then (stat name, amount) pairs. Ends the task (terminal states never change), adds
+# KEYS: 1 taskstate 2 stats 3 meta 4 tasks stream. ARGV: 1 job id 2 final state 3 now 4 entry id
+# 5 consumer group, then (stat name, amount) pairs. Ends the job (terminal states never change), adds
 # the rollout's counters and acknowledges the entry, atomically. Returns the previous state ('gone' when
 # the run was deleted meanwhile: nothing is written).
 _FINISH = """
@@ -147,7 +152,7 @@ redis.call('XACK', KEYS[4], ARGV[5], ARGV[4])
 return old
 """
 
-# KEYS: 1 meta. ARGV: 1 total. The run's planned task count, set before enqueueing starts (progress).
+# KEYS: 1 meta. ARGV: 1 total. The run's planned job count, set before enqueueing starts (progress).
 _PLANNED = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'tasks_total', ARGV[1])
@@ -177,13 +182,13 @@ return 1
 
 
 class EnqueueStopped(Exception):
-    """`TaskQueue.enqueue` was asked to stop (the process is shutting down); nothing is lost."""
+    """`JobQueue.enqueue` was asked to stop (the process is shutting down); nothing is lost."""
 
 
 @dataclass(frozen=True)
-class TaskStart:
-    """What `TaskQueue.start` found: run the rollout only when `proceed`; `deferred`: admission is full,
-    hold the task (unacknowledged) and try again."""
+class JobStart:
+    """What `JobQueue.start` found: run the rollout only when `proceed`; `deferred`: admission is full,
+    hold the job (unacknowledged) and try again."""
 
     previous: str
     attempt: int
@@ -196,7 +201,7 @@ class TaskStart:
 
 
 @dataclass(frozen=True)
-class Task:
+class Job:
     """One rollout to do: repeat `repeat` of line `instance_id` in epoch `epoch`, in generation `gen` of
     its group (0; 1, 2, ... when a stale group is rolled out again)."""
 
@@ -207,7 +212,7 @@ class Task:
     gen: int = 0
 
     @property
-    def task_id(self) -> str:
+    def job_id(self) -> str:
         """Unique for the run's life: a later generation's ids end in `@<gen>` (never digits alone, unlike
         the repeat that ends a generation-0 id), so its uids are fresh."""
         base = f"{self.epoch}:{self.instance_id}:{self.repeat}"
@@ -218,24 +223,24 @@ class Task:
         return keys.gid(self.epoch, self.instance_id)
 
     def uid(self, run_id: str) -> str:
-        return f"{run_id}:{self.task_id}"
+        return f"{run_id}:{self.job_id}"
 
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _parse_entries(entries: list[Any]) -> list[Task]:
-    tasks: list[Task] = []
+def _parse_entries(entries: list[Any]) -> list[Job]:
+    jobs: list[Job] = []
     for entry_id, fields in entries:
         if fields is None:  # deleted entry (XAUTOCLAIM on Redis 6.2 reports them as nil)
             continue
         data = {_text(k): _text(v) for k, v in fields.items()}
-        tasks.append(Task(_text(entry_id), int(data["e"]), data["i"], int(data["r"]), int(data.get("g") or 0)))
-    return tasks
+        jobs.append(Job(_text(entry_id), int(data["e"]), data["i"], int(data["r"]), int(data.get("g") or 0)))
+    return jobs
 
 
-class TaskQueue:
+class JobQueue:
     """One run's stream and consumer group."""
 
     def __init__(self, client: RedisClient, run_id: str) -> None:
@@ -264,7 +269,7 @@ class TaskQueue:
         return await self.redis.hget(keys.run_meta(self.run_id), "enqueue_done") in (b"1", "1")
 
     async def progress(self) -> dict[str, Any]:
-        """`enqueued` (tasks in the stream), `tasks_total` (planned; None until enqueueing began), `done`."""
+        """`enqueued` (jobs in the stream), `tasks_total` (planned; None until enqueueing began), `done`."""
         meta = keys.run_meta(self.run_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xlen(self.stream)
@@ -276,7 +281,7 @@ class TaskQueue:
     async def enqueue(self, samples: list[dict[str, Any]], *, num_epoch: int, repeats: int,
                       excluded: set[str], chunk: int = 2000, keep_order: bool = False,
                       stop: asyncio.Event | None = None) -> int:
-        """Store the samples and add every task not yet in the stream, except those of the `excluded`
+        """Store the samples and add every job not yet in the stream, except those of the `excluded`
         groups (`"epoch:instance_id"`, trained already); returns how many were added. The planned total is
         in the run's meta (`tasks_total`) from the start, the stream's length is the progress. `keep_order`
         also stores the lines' order, so the prompt stream can go on past the plan (a run with a group
@@ -284,7 +289,7 @@ class TaskQueue:
         await self.ensure_group()
         ids = [s["instance_id"] for s in samples]
         await self._planned(keys=[keys.run_meta(self.run_id)],
-                            args=[planned_tasks(ids, num_epoch, repeats, excluded)])
+                            args=[planned_jobs(ids, num_epoch, repeats, excluded)])
         for start in range(0, len(samples), chunk):
             if stop is not None and stop.is_set():
                 raise EnqueueStopped(f"run {self.run_id}: enqueueing stopped while storing its lines")
@@ -300,14 +305,14 @@ class TaskQueue:
         total = 0
         batch: list[str] = []
         enqueue_keys = [self.stream, keys.stats(self.run_id), keys.run_meta(self.run_id)]
-        for seq, epoch, instance_id, repeat in iter_task_plan(ids, num_epoch, repeats):
+        for seq, epoch, instance_id, repeat in iter_job_plan(ids, num_epoch, repeats):
             if keys.gid(epoch, instance_id) in excluded:
                 continue
             total += 1
             batch.extend((str(seq), str(epoch), instance_id, str(repeat)))
             if len(batch) >= chunk * 4:
                 if stop is not None and stop.is_set():
-                    raise EnqueueStopped(f"run {self.run_id}: enqueueing stopped after {added} new task(s)")
+                    raise EnqueueStopped(f"run {self.run_id}: enqueueing stopped after {added} new job(s)")
                 added += int(await self._enqueue(keys=enqueue_keys, args=batch))
                 batch = []
         if batch:
@@ -316,55 +321,55 @@ class TaskQueue:
                                  args=[total, _now()])
         return added
 
-    async def read_new(self, consumer: str, count: int, block_ms: int) -> list[Task]:
+    async def read_new(self, consumer: str, count: int, block_ms: int) -> list[Job]:
         reply: Any = await self.redis.xreadgroup(keys.WORKER_GROUP, consumer, {self.stream: ">"},
                                                  count=count, block=block_ms)
-        tasks: list[Task] = []
+        jobs: list[Job] = []
         for _stream, entries in reply or []:
-            tasks.extend(_parse_entries(entries))
-        return tasks
+            jobs.extend(_parse_entries(entries))
+        return jobs
 
-    async def reclaim(self, consumer: str, lease_s: float, count: int) -> list[Task]:
-        """Take over tasks whose owner has not renewed its lease (a dead or stuck worker)."""
-        tasks: list[Task] = []
+    async def reclaim(self, consumer: str, claim_s: float, count: int) -> list[Job]:
+        """Take over jobs whose owner has not renewed its claim (a dead or stuck worker)."""
+        jobs: list[Job] = []
         start = "0-0"
-        while len(tasks) < count:
+        while len(jobs) < count:
             reply: Any = await self.redis.xautoclaim(self.stream, keys.WORKER_GROUP, consumer,
-                                                min_idle_time=int(lease_s * 1000), start_id=start,
-                                                count=count - len(tasks))
+                                                min_idle_time=int(claim_s * 1000), start_id=start,
+                                                count=count - len(jobs))
             start, entries = _text(reply[0]), reply[1]
-            tasks.extend(_parse_entries(entries))
+            jobs.extend(_parse_entries(entries))
             if start == "0-0":
                 break
-        return tasks
+        return jobs
 
     async def renew(self, consumer: str, entry_ids: list[str]) -> None:
-        """Reset the idle time of tasks still in flight here, so a long rollout keeps its lease."""
+        """Reset the idle time of jobs still in flight here, so a long rollout keeps its claim."""
         if entry_ids:
             ids: list[Any] = list(entry_ids)
             await self.redis.xclaim(self.stream, keys.WORKER_GROUP, consumer, min_idle_time=0, message_ids=ids,
                                     justid=True)
 
-    async def start(self, task: Task) -> TaskStart:
-        """Claim a delivered task for a rollout (one script call, batched with concurrent ones); see `_START`."""
+    async def start(self, job: Job) -> JobStart:
+        """Claim a delivered job for a rollout (one script call, batched with concurrent ones); see `_START`."""
         run_id = self.run_id
         previous, attempts, line = await self._scripts.submit((
             self._start,
             [keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
              keys.skip(run_id), keys.samples(run_id), self.stream, keys.group_started(run_id)],
-            [task.task_id, task.instance_id, _now(), task.entry_id, keys.WORKER_GROUP, task.gid, task.gen],
+            [job.job_id, job.instance_id, _now(), job.entry_id, keys.WORKER_GROUP, job.gid, job.gen],
         ))
         previous = _text(previous)
         # gone: run deleted or retired; deferred: admission is full
         proceed = previous not in TERMINAL and previous not in ("gone", "deferred")
         sample = _loads(line) if proceed and line else None
-        return TaskStart(previous, int(attempts), sample, proceed)
+        return JobStart(previous, int(attempts), sample, proceed)
 
-    async def finish(self, task: Task, state: str, stats: dict[str, int] | None = None) -> str:
-        """End a task in `state`, add its counters, acknowledge it (one batched script call); returns the
+    async def finish(self, job: Job, state: str, stats: dict[str, int] | None = None) -> str:
+        """End a job in `state`, add its counters, acknowledge it (one batched script call); returns the
         previous state."""
         run_id = self.run_id
-        args: list[Any] = [task.task_id, state, _now(), task.entry_id, keys.WORKER_GROUP]
+        args: list[Any] = [job.job_id, state, _now(), job.entry_id, keys.WORKER_GROUP]
         for name, amount in (stats or {}).items():
             if amount:
                 args.extend((name, amount))
