@@ -60,6 +60,19 @@ def test_status_prints_runs_progress_and_the_runs_details(finished_run: tuple[st
     assert re.search(r"rollouts/s +\S+ +[▁▂▃▄▅▆▇█]*[▂▃▄▅▆▇█][▁▂▃▄▅▆▇█]*", out), "a throughput sparkline"
 
 
+def test_status_on_a_pipe_prints_full_values(finished_run: tuple[str, str]) -> None:
+    """`rollout-buffer status | cat`: no COLUMNS, not a terminal; rich would assume 80 columns and cut cells."""
+    url, run_id = finished_run
+    plain = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    done = subprocess.run([*STATUS, "--url", url], cwd=REPO, env=plain, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "…" not in out, out
+    row = next(line for line in out.splitlines() if run_id in line)
+    assert "finished *" in row and "12 / 12" in row and "timed out 0" in row, row
+    assert max(len(line) for line in out.splitlines()) > 80, "the runs table is wider than a terminal would be"
+
+
 def test_status_names_what_it_cannot_show(finished_run: tuple[str, str]) -> None:
     url, _ = finished_run
     unknown = subprocess.run([*STATUS, "--url", url, "--run-id", "nope"], cwd=REPO, env=env(), capture_output=True,
