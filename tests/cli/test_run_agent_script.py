@@ -129,8 +129,8 @@ def test_the_training_commands_data_folders_are_input_roots(tmp_path: Path) -> N
              ("datasets/train.jsonl", "evals/aime.jsonl", "evals-b/gsm8k.jsonl", "evals-c/math.jsonl", "models/qwen/x.jsonl",
               "outside/x.jsonl")}
     local = write_jsonl_file(checkout / "local.jsonl", rows)
-    env = {**script_env(tmp_path, free_port()),
-           "ROLLOUT_BUFFER_TASK_DIR": f"{REPO / 'tests' / 'tasks'}:{REPO / 'tests' / 'legacy_tasks'}"}
+    task_dirs = os.pathsep.join(str(REPO / "tests" / "fixtures" / d) for d in ("tasks", "legacy_tasks"))
+    env = {**script_env(tmp_path, free_port()), "ROLLOUT_BUFFER_TASK_DIR": task_dirs}
     command = [str(SCRIPT), "--", sys.executable, "-c", START_RUNS,
                "--prompt-data", str(files["datasets/train.jsonl"]),
                "--eval-prompt-data", "aime", str(files["evals/aime.jsonl"]),
