@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -103,7 +104,10 @@ def test_watch_on_a_pipe_prints_a_snapshot_per_interval(finished_run: tuple[str,
         out = _read_until(proc.stdout.readline, lambda text: text.count("updated ") >= 3, 30)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=30)  # keeps reading, so a write in progress can finish
+        # keep reading through the same text reader (communicate() would read the bytes behind it and may
+        # start inside a character it split), so a write in progress can finish
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        proc.wait(timeout=30)
     code = proc.returncode
     assert out.count("updated ") >= 3 and out.count(run_id) >= 3
     assert code == 0, "Ctrl+C ends --watch cleanly"
