@@ -303,8 +303,8 @@ class MultiTurnLossMaskGenerator:
         ends: list[int] = []
         for base, (block_ids, block_starts, block_ends) in zip(edges, self._tokenize_blocks(blocks)):
             ids += block_ids
-            starts += [x + base for x in block_starts] if base else block_starts
-            ends += [x + base for x in block_ends] if base else block_ends
+            starts += map(base.__add__, block_starts) if base else block_starts  # map: no Python frame per id
+            ends += map(base.__add__, block_ends) if base else block_ends
         return ids, starts, ends
 
     def _decode(self, pieces: list[list[int]]) -> list[str]:
