@@ -128,6 +128,10 @@ SLIME_ROWS = ("slime: message-path loss masks", "slime: single-record /buffer/wr
               "slime: full read to records in hand")
 
 
+def _secs(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values) + " s"
+
+
 def _slime_rows(r: dict[str, Any]) -> list[Row]:
     """The rows against slime's own code (`bench/against_slime.py`), or the same rows marked skipped."""
     if "skipped" in r:
@@ -145,7 +149,9 @@ def _slime_rows(r: dict[str, Any]) -> list[Row]:
             b["write_ratio"] >= 5, f"{WRITE_BOUND}; {load}"),
         Row(f"{SLIME_ROWS[2]} ({size})", f"{b['read_per_s']['ours']:.0f} rec/s packed + decode",
             f"{b['read_per_s']['slime']:.0f} rec/s slime JSON", b["read_ratio"], ">= 5x", b["read_ratio"] >= 5,
-            load),
+            f"our read's trials: {_secs(b['read_s']['ours'])}, of which server and transfer "
+            f"{_secs(b['ours_read_body_s'])}, the rest the client's decoding; slime's {_secs(b['read_s']['slime'])}; "
+            f"three processes (Redis, server, client) against slime's two on 2 shared cores; {load}"),
     ]
 
 
