@@ -53,7 +53,8 @@ BATCH_BOUND = ("batching saves only per-request costs (HTTP stack and event loop
                "py-spy profile: a 1.67x ceiling); the per-number parse, packing and the load generator's CPU stay")
 PACKED_BOUND = ("the writer's packing time is counted on the same 2 cores the server uses; the server still checks "
                 "every array and writes it to Redis")
-TEMPLATE_BOUND = ("the Jinja render is gone where the compiled ChatML renderer is proven (Qwen2.5 family); what is left "
+TEMPLATE_BOUND = ("the Jinja render is gone where the compiled ChatML renderer is proven (Qwen2.5 family); what is "
+                  "left "
                   "is tokenizing each conversation's new blocks (one Rust encode_batch, about half) and the span "
                   "bookkeeping and checks in Python (profile: bench/README.md)")
 WRITE_BOUND = ("per write the server parses ~45 KB (simdjson into numpy, the messages as Python objects for the "
