@@ -106,10 +106,11 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
                   default_response_class=OrjsonResponse, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_openapi(app)
+    # the write routes first: requests are matched route by route in order, and writes are most requests
+    for router in (writes.router, runs.router, reads.router, policy.router, ops.router, remote_router):
+        app.include_router(router)
     install_docs(app)
     install_dashboard(app)
-    for router in (runs.router, writes.router, reads.router, policy.router, ops.router, remote_router):
-        app.include_router(router)
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     token = settings.resolved_auth_token()
