@@ -121,7 +121,7 @@ def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64
         concurrency: int = 256, latency_s: float | None = None, api_processes: int | None = None) -> dict[str, Any]:
     from rollout_buffer.runtime.options import sglang_sampling_params
     from rollout_buffer.runtime.worker_main import event_loop_factory
-    from rollout_buffer.schema import StartRolloutRequest
+    from rollout_buffer.wire.schema import StartRolloutRequest
     from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 
     cpu_sessions = cpu_sessions or (8 if quick else 16)

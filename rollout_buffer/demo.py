@@ -25,10 +25,9 @@ import httpx
 import orjson
 from tqdm import tqdm
 
-from rollout_buffer.auth import token_from_environment
+from rollout_buffer.security.auth import token_from_environment
 from rollout_buffer.testing.engine import run_engine_in_thread
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
-
 
 # where `demo --url` writes its prompts: under the current folder, which a server started there may read
 _LOCAL_DIR = ".rollout-buffer-demo"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from rollout_buffer.redaction import install_redaction
+from rollout_buffer.security.redaction import install_redaction
 
 TORCH_NOTICE = "PyTorch was not found."
 
@@ -32,6 +32,6 @@ def hide_torch_notice() -> None:
 
 def configure_logging(level: str) -> None:
     """The root logger's level and format for `serve` and `worker`, with secrets redacted from every record
-    (`rollout_buffer.redaction`): a task module's HTTP client logs the capability URL it posts to."""
+    (`rollout_buffer.security.redaction`): a task module's HTTP client logs the capability URL it posts to."""
     install_redaction()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

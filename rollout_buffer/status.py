@@ -26,7 +26,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from rollout_buffer.auth import token_from_environment
+from rollout_buffer.security.auth import token_from_environment
 
 DEFAULT_URL = os.environ.get("ROLLOUT_BUFFER_URL", "http://127.0.0.1:8889")
 SPARKS = "▁▂▃▄▅▆▇█"

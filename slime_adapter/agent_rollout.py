@@ -259,7 +259,7 @@ class _Step:
         return len(built)
 
 
-# the buffer's answer when `num` cannot hold the next ready group (rollout_buffer.reads)
+# the buffer's answer when `num` cannot hold the next ready group (rollout_buffer.runs.reads)
 _NUM_TOO_SMALL = re.compile(r"num=(?P<num>\d+) is smaller than the next ready group \((?P<size>\d+) records?\)")
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollout_buffer import __version__, keys
-from rollout_buffer.failures import failure_summary
+from rollout_buffer import __version__
 from rollout_buffer.metrics import histograms, timeline
+from rollout_buffer.metrics.failures import failure_summary
 from rollout_buffer.metrics.readlog import recent_reads
 from rollout_buffer.metrics.snapshot import RunSnapshot, snapshot_runs
-from rollout_buffer.store import Store
+from rollout_buffer.store import keys
+from rollout_buffer.store.store import Store
 
 DEFAULT_READS = 200
 LEASE_COUNTERS = ("batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_expired_groups",

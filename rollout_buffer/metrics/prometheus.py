@@ -88,8 +88,8 @@ def run_families(runs: list[RunSnapshot], active_run: str | None, now: float | N
     by_status: dict[str, int] = {}
     info = GaugeMetricFamily(f"{NS}_run_info", "One series per live run: its task type, status and whether "
                              "unqualified reads and writes go to it", labels=["run_id", "task_type", "status", "active"])
-    tasks = GaugeMetricFamily(f"{NS}_tasks", "Rollout tasks by state", labels=["run_id", "state"])
-    planned = GaugeMetricFamily(f"{NS}_tasks_planned", "Rollout tasks of the run in all (lines x repeats x epochs, "
+    tasks = GaugeMetricFamily(f"{NS}_tasks", "Rollout jobs (rollouts to do) by state", labels=["run_id", "state"])
+    planned = GaugeMetricFamily(f"{NS}_tasks_planned", "Rollout jobs of the run in all (lines x repeats x epochs, "
                                 "less groups trained before a resume)", labels=["run_id"])
     groups = GaugeMetricFamily(f"{NS}_groups", "Groups by state: pending, ready and leased now; handed, filtered, "
                                "timed_out and completed so far", labels=["run_id", "state"])

@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
-from rollout_buffer.task_contract import EngineError
+from rollout_buffer.tasks.contract import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.runs import StartRolloutError
-from rollout_buffer.outbound import parse_engine_urls
-from rollout_buffer.schema import StartRolloutRequest
+from rollout_buffer.runs.lifecycle import StartRolloutError
+from rollout_buffer.security.outbound import parse_engine_urls
+from rollout_buffer.wire.schema import StartRolloutRequest
 
 ENGINE_APIS = ("generate", "chat")
 WEEK_S = 7 * 24 * 3600.0
