@@ -30,6 +30,9 @@ from tests.support.helpers import REPO, free_port, write_jsonl
 NOISE = re.compile(r"warn|traceback|torch", re.IGNORECASE)
 WARNING_HEADER = re.compile(r"^(?P<file>\S.*?):\d+: (?P<category>\w+): ")
 HIDDEN_BY_DEFAULT = ("DeprecationWarning", "PendingDeprecationWarning")
+# The demo prints one record as the trainer receives it: its message texts are the test engine's random tokens,
+# which may spell "_WARNING" or "torch"; they are the model's words, not the program's.
+GENERATED_TEXT = re.compile(r'^\s+"(content|text|reasoning_content)": "')
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_BUFFER_")},
        "PYTHONWARNINGS": "default::DeprecationWarning,default::PendingDeprecationWarning"}
 
@@ -47,7 +50,7 @@ def noisy_lines(output: str) -> list[str]:
         if header and header["category"] in HIDDEN_BY_DEFAULT and not _in_project(header["file"]):
             skip_source_line = True
             continue
-        if NOISE.search(line):
+        if NOISE.search(line) and not GENERATED_TEXT.match(line):
             noisy.append(line)
     return noisy
 
@@ -107,6 +110,8 @@ def test_noise_filter_flags_what_users_see_and_lets_third_party_deprecations_thr
     assert noisy_lines("2026 WARNING rollout_buffer.x: lost Redis") == ["2026 WARNING rollout_buffer.x: lost Redis"]
     torch = "[transformers] PyTorch was not found. Models won't be available"
     assert noisy_lines(torch) == [torch]
+    assert noisy_lines('      "content": "stepper oats_WARNING heten\\n"') == [], "a record's generated text"
+    assert noisy_lines('"content": "WARNING"') == ['"content": "WARNING"'], "only indented record fields"
 
 
 def test_deprecations_from_project_code_fail_tests_and_third_party_ones_do_not() -> None:
