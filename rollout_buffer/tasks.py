@@ -21,7 +21,7 @@ from rollout_buffer import groups
 
 log = logging.getLogger(__name__)
 BUILTIN_DIR = Path(__file__).parent / "generator"
-HOOKS = ("is_valid_group", "transform_group", "get_group_data_meta_info", "validate_sample")
+HOOKS = ("is_valid_group", "transform_group", "get_group_data_meta_info", "validate_sample", "validate_run")
 
 
 class TaskRegistryError(RuntimeError):
