@@ -94,7 +94,8 @@ def _reap(agent_pid: int = -1) -> int | None:
 def _limits(spec: dict[str, int | None]) -> None:
     for name, value in spec.items():
         if value is not None and name in _LIMITS:
-            resource.setrlimit(_LIMITS[name], (int(value), int(value)))
+            hard = int(value) + 2 if name == "cpu_s" else int(value)  # SIGXCPU at the soft limit, SIGKILL 2 s on
+            resource.setrlimit(_LIMITS[name], (int(value), hard))
 
 
 def main() -> int:
