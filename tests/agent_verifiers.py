@@ -13,3 +13,19 @@ def broken(sandbox: Any, sample: dict, result: Any) -> float:
 
 def always_one(sandbox: Any, sample: dict, result: Any) -> dict:
     return {"reward": 1.0, "checked_by": "always_one"}
+
+
+async def exact_unless_verr(sandbox: Any, sample: dict, result: Any) -> dict:
+    """Exact answer, except that the verifier breaks on the first rollout of an instance named `verr-*`."""
+    import os
+
+    from rollout_buffer.agents.verifiers import exact_answer
+
+    if sample["instance_id"].startswith("verr"):
+        try:
+            os.mkdir(os.path.join(sample["marks"], "verr"))
+        except FileExistsError:
+            pass
+        else:
+            raise RuntimeError("grader crashed (injected)")
+    return await exact_answer(sandbox, sample, result)
