@@ -3,11 +3,17 @@
 It starts the SGLang test engine, a `rollout-buffer serve` process (embedded Redis in a temp dir), writes a
 small math JSONL, runs the built-in `math` task on it and shows what a trainer would receive from
 `/get_rollout_data`: whole groups, GRPO-normalised rewards, token counts, and one record.
+
+With `--agent`, the same prompts run as an `agent_command` task instead: each rollout runs an agent command
+in its own sandbox against the agent gateway (by default `rollout_buffer.agents.demo_agent`, an OpenAI
+Chat Completions tool loop; `--agent-command` names another, e.g. `"claude -p {prompt} --output-format
+json"`), and the exact-answer verifier scores what it prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -20,6 +26,8 @@ from typing import Any
 import httpx
 import orjson
 from tqdm import tqdm
+
+import rollout_buffer
 
 from rollout_buffer.testing.engine import run_engine_in_thread
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
@@ -68,7 +76,7 @@ def _summary(groups: list[list[dict[str, Any]]], seconds: float) -> str:
     lines = [f"\n{len(groups)} groups, {sum(len(g) for g in groups)} trajectories in {seconds:.1f}s\n",
              f"{'group':<10} {'epoch':>5}  {'raw rewards':<20} {'GRPO rewards':<34} {'prompt/output tokens'}"]
     for group in groups:
-        raw = " ".join(f"{r['raw_reward']:.0f}" for r in group)
+        raw = " ".join(f"{r['reward'] if r.get('raw_reward') is None else r['raw_reward']:.0f}" for r in group)
         normalised = " ".join(f"{r['reward']:+.2f}" for r in group)
         prompt = len(group[0]["turns"][0]["prompt_ids"])
         outputs = ",".join(str(sum(len(t["output_ids"]) for t in r["turns"])) for r in group)
@@ -77,7 +85,19 @@ def _summary(groups: list[list[dict[str, Any]]], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, workdir: Path) -> int:
+def agent_options(command: str | None) -> dict[str, Any]:
+    """The `agent` run options of `--agent`: the demo agent (with this package importable), or `command`."""
+    if command:
+        return {"command": command, "api": "both", "timeout_s": 300, "verifier": {"type": "exact_answer"},
+                "env": {"PATH": os.environ.get("PATH", os.defpath), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
+                "files": {"~/.claude/settings.json": {"permissions": {"allow": ["Bash"]}}}}
+    package_root = str(Path(rollout_buffer.__file__).resolve().parent.parent)
+    return {"command": [sys.executable, "-m", "rollout_buffer.agents.demo_agent", "{prompt}"], "api": "openai",
+            "env": {"PYTHONPATH": package_root}, "timeout_s": 60, "verifier": {"type": "exact_answer"}}
+
+
+def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, workdir: Path,
+             agent: dict[str, Any] | None = None) -> int:
     input_file = workdir / "math.jsonl"
     _write_prompts(input_file, prompts)
     port = _free_port()
@@ -98,6 +118,8 @@ def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, wor
                     "num_epoch": 1, "num_process": 64, "remote_engine_url": engine.url,
                     "tokenizer_path": tokenizer_path,
                     "sampling_params": {"max_tokens": 256, "temperature": 1.0}}
+            if agent is not None:
+                body.update(task_type="agent_command", agent=agent, remote_buffer_url=url, num_process=16)
             with httpx.Client(base_url=url, timeout=60) as client:
                 started = time.monotonic()
                 answer = client.post("/start_rollout", json=body)
@@ -143,11 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-s", type=float, default=0.2, help="test engine latency per call")
     parser.add_argument("--timeout-s", type=float, default=45.0, help="give up after this long")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (server log, Redis data)")
+    parser.add_argument("--agent", action="store_true", help="run an agent command per rollout (agent_command task)")
+    parser.add_argument("--agent-command", default=None,
+                        help="the agent's command template (implies --agent), e.g. 'claude -p {prompt} --output-format json'")
     args = parser.parse_args(argv)
+    agent = agent_options(args.agent_command) if args.agent or args.agent_command else None
     if args.keep:
-        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, Path(tempfile.mkdtemp(prefix="rb-demo-")))
+        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s,
+                        Path(tempfile.mkdtemp(prefix="rb-demo-")), agent)
     with tempfile.TemporaryDirectory(prefix="rb-demo-") as tmp:
-        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, Path(tmp))
+        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, Path(tmp), agent)
 
 
 if __name__ == "__main__":
