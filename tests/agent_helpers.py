@@ -20,7 +20,8 @@ def start_agent_run(client: httpx.Client, server_url: str, tmp: Path, rows: list
             "num_repeat_per_sample": repeats, "num_process": 16, "remote_engine_url": engine_url,
             "tokenizer_path": tokenizer_path, "run_id": f"agent-{uuid.uuid4().hex[:8]}",
             "remote_buffer_url": server_url, "sampling_params": {"max_tokens": 256, "temperature": 1.0},
-            "agent": agent, **extra}
+            "agent": agent}
+    body.update(extra)
     return client.post("/start_rollout", json=body)
 
 

@@ -24,7 +24,7 @@ from tests.runtime_helpers import arithmetic_rows, assert_whole_groups, drain, w
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with ServerProcess(tmp_path_factory.mktemp("agent-runs")) as proc:
+    with ServerProcess(tmp_path_factory.mktemp("agent-runs"), "--task-dir", str(REPO / "tests" / "agent_tasks")) as proc:
         yield proc
 
 
@@ -112,6 +112,18 @@ def test_failures_are_counted_by_type_and_keep_their_output(client: httpx.Client
               and s.labels.get("run_id", run_id) == run_id}
     assert {k: counts.get(k) for k in ("agent_exit", "agent_timeout", "verifier_error", "setup_failed")} == {
         "agent_exit": 1, "agent_timeout": 1, "verifier_error": 1, "setup_failed": 1}
+
+
+def test_a_task_module_overrides_the_steps(client: httpx.Client, server: ServerProcess, rollout_engine: Any,
+                                           qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    agent = _agent(tmp_path, "ok", command="unused {prompt}")
+    run_id = _start(client, server, tmp_path, arithmetic_rows(2), agent, rollout_engine, qwen_tokenizer_path,
+                    task_type="custom_agent")
+    records = drain(client, run_id, 2)
+    for record in records:
+        info = record["extra_info"]
+        assert record["status"] == "completed" and record["reward"] == 1.0, info
+        assert info["verifier"] == {"read": "answer.json"} and len(record["turns"]) == 2
 
 
 def test_concurrent_agents_are_bounded(client: httpx.Client, server: ServerProcess, rollout_engine: Any,

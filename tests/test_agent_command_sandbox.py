@@ -156,3 +156,15 @@ async def test_backends_plug_in_by_module_path(tmp_path: Path) -> None:
                               options={"root": str(tmp_path)})
     assert isinstance(made, LocalSandbox)
     await made.cleanup()
+
+
+def test_limits_read_from_run_options() -> None:
+    limits = Limits.from_options({"cpu_s": 30, "memory_mb": 512, "open_files": 256, "file_size_mb": 10,
+                                  "output_kb": 64})
+    assert limits == Limits(cpu_s=30, memory_bytes=512 << 20, open_files=256, file_size_bytes=10 << 20,
+                            output_bytes=64 << 10)
+    assert Limits.from_options({"memory_mb": None}).memory_bytes is None and Limits.from_options(None) == Limits()
+    for bad, reason in (({"memory_mb": 0}, "memory_mb"), ({"cpu_s": 1.5}, "cpu_s"), ({"disk_mb": 1}, "unknown"),
+                        ({"output_kb": None}, "output_kb")):
+        with pytest.raises(ValueError, match=reason):
+            Limits.from_options(bad)
