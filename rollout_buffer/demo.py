@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (server log, Redis data)")
     parser.add_argument("--agent", action="store_true", help="run an agent command per rollout (agent_command task)")
     parser.add_argument("--agent-command", default=None,
-                        help="the agent's command template (implies --agent), e.g. 'claude -p {prompt} --output-format json'")
+                        help="the agent's command template (implies --agent), "
+                             "e.g. 'claude -p {prompt} --output-format json'")
     args = parser.parse_args(argv)
     agent = agent_options(args.agent_command) if args.agent or args.agent_command else None
     if args.keep:

@@ -35,7 +35,7 @@ def test_a_claude_code_shaped_request_is_answered(server: ServerProcess, rollout
         session = new_session(client, run_id, "cc")
         sdk = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0)
         messages = [{"role": "user", "content": [
-                        {"type": "text", "text": "<system-reminder>\nToday's date is 2026-11-24.\n</system-reminder>\n"},
+                        {"type": "text", "text": "<system-reminder>\nToday is 2026-11-24.\n</system-reminder>\n"},
                         {"type": "text", "text": "What is 6 * 7?", "cache_control": {"type": "ephemeral"}}]},
                     {"role": "system", "content": "Available agent types: general-purpose."}]
         with sdk.messages.stream(model="claude-opus-4-8", max_tokens=64000, messages=messages, tools=[BASH],

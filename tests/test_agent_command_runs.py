@@ -24,7 +24,8 @@ from tests.runtime_helpers import arithmetic_rows, assert_whole_groups, drain, w
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with ServerProcess(tmp_path_factory.mktemp("agent-runs"), "--task-dir", str(REPO / "tests" / "agent_tasks")) as proc:
+    tasks = str(REPO / "tests" / "agent_tasks")
+    with ServerProcess(tmp_path_factory.mktemp("agent-runs"), "--task-dir", tasks) as proc:
         yield proc
 
 
@@ -84,7 +85,8 @@ def test_failures_are_counted_by_type_and_keep_their_output(client: httpx.Client
             for name in ("ok", "crash", "hang", "verr")]
     rows.append({"instance_id": "setup", "prompt": "What is 6 * 7?", "label": "42", "marks": str(marks),
                  "setup": f"mkdir {marks}/setup 2>/dev/null && {{ echo broken >&2; exit 7; }}; true"})
-    agent = _agent(tmp_path, timeout_s=15, verifier={"type": "python", "callable": "tests.agent_verifiers:exact_unless_verr"})
+    agent = _agent(tmp_path, timeout_s=15,
+                   verifier={"type": "python", "callable": "tests.agent_verifiers:exact_unless_verr"})
     agent["env"]["MARKS"] = str(marks)
     run_id = _start(client, server, tmp_path, rows, agent, rollout_engine, qwen_tokenizer_path, repeats=2)
     records = drain(client, run_id, 10, timeout_s=60)
@@ -112,6 +114,19 @@ def test_failures_are_counted_by_type_and_keep_their_output(client: httpx.Client
               and s.labels.get("run_id", run_id) == run_id}
     assert {k: counts.get(k) for k in ("agent_exit", "agent_timeout", "verifier_error", "setup_failed")} == {
         "agent_exit": 1, "agent_timeout": 1, "verifier_error": 1, "setup_failed": 1}
+
+
+def test_the_runtime_deadline_kills_the_agent_tree(client: httpx.Client, server: ServerProcess, rollout_engine: Any,
+                                                  qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    """The run's `rollout_timeout_s` (the runtime's deadline, shorter than the agent's budget here) cancels
+    the rollout: the sandbox's cleanup kills the agent's whole tree, and the failure is counted."""
+    rows = [{"instance_id": "hang-1", "prompt": "What is 6 * 7?", "label": "42"}]
+    run_id = _start(client, server, tmp_path, rows, _agent(tmp_path, timeout_s=120), rollout_engine,
+                    qwen_tokenizer_path, rollout_timeout_s=6)
+    detail = wait_status(client, run_id, "finished", timeout_s=60)
+    assert {k: v["count"] for k, v in detail["failures"]["by_type"].items()} == {"RolloutTimeout": 1}
+    all_gone([int(p) for p in (tmp_path / "pids").read_text().split()], 10.0)
+    assert list((tmp_path / "sandboxes").iterdir()) == []
 
 
 def test_a_task_module_overrides_the_steps(client: httpx.Client, server: ServerProcess, rollout_engine: Any,

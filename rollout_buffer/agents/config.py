@@ -4,7 +4,8 @@ field) and read by every rollout.
     "agent": {"command": "claude -p {prompt} --output-format json",  # or a list of argv templates
               "api": "both",             # which session variables to pass: anthropic | openai | both | none
               "env": {"NAME": "value"},  # more variables (templates too); nothing else of the server's
-              "files": {"~/.claude/settings.json": {...}},  # written before the agent starts (JSON or text)
+              "files": {"~/.claude/settings.json": {...}},  # written before the agent starts (JSON, or a text
+                                                            # template)
               "setup": "pip install -e .",                    # run in the sandbox before the agent
               "timeout_s": 300, "verifier": {"type": "exact_answer"},
               "sandbox": {"backend": "pkg.module:factory", "options": {}, "limits": {"memory_mb": 4096}},
@@ -126,9 +127,10 @@ def parse(options: dict[str, Any]) -> AgentConfig:
         raise AgentConfigError("agent.files", "must be an object of path: content")
     files = {}
     for path, content in files_raw.items():
-        text = content if isinstance(content, str) else json.dumps(content, indent=2)
-        files[str(path)] = _check_template(text.replace("{", "{{").replace("}", "}}"), f"agent.files.{path}") \
-            if not isinstance(content, str) else _check_template(text, f"agent.files.{path}")
+        if isinstance(content, str):  # a template
+            files[str(path)] = _check_template(content, f"agent.files.{path}")
+        else:  # JSON written as it is (its braces escaped from the template filling)
+            files[str(path)] = json.dumps(content, indent=2).replace("{", "{{").replace("}", "}}")
     setup = raw.get("setup")
     if setup is not None and not isinstance(setup, str):
         raise AgentConfigError("agent.setup", "must be a shell command line")
@@ -157,7 +159,8 @@ def parse(options: dict[str, Any]) -> AgentConfig:
     if isinstance(tail, bool) or not isinstance(tail, int) or tail < 0:
         raise AgentConfigError("agent.output_tail_chars", f"must be an integer >= 0, got {tail!r}")
     return AgentConfig(command=command_words, env=env, files=files, setup=setup,
-                       timeout_s=_number(raw, "timeout_s", 600.0), setup_timeout_s=_number(raw, "setup_timeout_s", 300.0),
+                       timeout_s=_number(raw, "timeout_s", 600.0),
+                       setup_timeout_s=_number(raw, "setup_timeout_s", 300.0),
                        verifier=verifier, backend=str(backend) if backend else None,
                        sandbox_options=dict(sandbox.get("options") or {}), limits=limits,
                        max_concurrent_agents=concurrency, output_tail_chars=tail, raw=raw)

@@ -43,7 +43,8 @@ def solve() -> str:
     client = openai.OpenAI(max_retries=0)  # base URL and key from the environment only
     messages = [{"role": "user", "content": PROMPT}]
     for _ in range(4):
-        message = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR]).choices[0].message
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+        message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             return message.content or ""
