@@ -5,7 +5,7 @@ small math JSONL, runs the built-in `math` task on it and shows what a trainer w
 `/get_rollout_data`: whole groups, GRPO-normalised rewards, token counts, and one record.
 
 With `--agent`, the same prompts run as an `agent_command` task instead: each rollout runs an agent command
-in its own sandbox against the agent gateway (by default `rollout_buffer.agents.demo_agent`, an OpenAI
+in its own sandbox against the agent gateway (by default `rollout_buffer.testing.demo_agent`, an OpenAI
 Chat Completions tool loop; `--agent-command` names another, e.g. `"claude -p {prompt} --output-format
 json"`), and the exact-answer verifier scores what it prints.
 """
@@ -92,7 +92,7 @@ def agent_options(command: str | None) -> dict[str, Any]:
                 "env": {"PATH": os.environ.get("PATH", os.defpath), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
                 "files": {"~/.claude/settings.json": {"permissions": {"allow": ["Bash"]}}}}
     package_root = str(Path(rollout_buffer.__file__).resolve().parent.parent)
-    return {"command": [sys.executable, "-m", "rollout_buffer.agents.demo_agent", "{prompt}"], "api": "openai",
+    return {"command": [sys.executable, "-m", "rollout_buffer.testing.demo_agent", "{prompt}"], "api": "openai",
             "env": {"PYTHONPATH": package_root}, "timeout_s": 60, "verifier": {"type": "exact_answer"}}
 
 

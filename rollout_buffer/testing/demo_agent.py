@@ -3,7 +3,7 @@ knows the OpenAI Chat Completions API, configured by `OPENAI_BASE_URL` and `OPEN
 environment. It offers a calculator tool, runs the calls the model makes, and prints the final answer as
 `{"result": ...}` (what the `exact_answer` verifier reads).
 
-Usage: python -m rollout_buffer.agents.demo_agent "What is 6 * 7?"
+Usage: python -m rollout_buffer.testing.demo_agent "What is 6 * 7?"
 """
 
 from __future__ import annotations
