@@ -82,7 +82,7 @@ def _end_to_end(args: SimpleNamespace, prompts: int) -> float:
     from slime_adapter.agent_rollout import generate_rollout, reset_state
 
     reset_state()
-    from tests.helpers import SlimeLikeDataBuffer
+    from tests.support.helpers import SlimeLikeDataBuffer
 
     data_buffer = SlimeLikeDataBuffer()
     started = time.perf_counter()
@@ -93,7 +93,7 @@ def _end_to_end(args: SimpleNamespace, prompts: int) -> float:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from tests.helpers import ServerProcess, free_port, write_jsonl
+    from tests.support.helpers import ServerProcess, free_port, write_jsonl
 
     prompts = 32 if quick else 128
     with tempfile.TemporaryDirectory() as tmp:

@@ -86,13 +86,14 @@ async def _cpu_steps(url: str, sessions: list[dict[str, Any]], turns: int, words
     return steps
 
 
-async def _concurrent(url: str, sessions: list[dict[str, Any]], turns: int) -> tuple[float, int]:
+async def _concurrent(urls: list[str], sessions: list[dict[str, Any]], turns: int) -> tuple[float, int]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         calls = 0
 
         async def one(index: int, key: str) -> None:
             nonlocal calls
             messages: list[dict[str, Any]] = []
+            url = urls[index % len(urls)]  # sessions spread over the API processes, as a load balancer would
             for turn in range(turns):
                 messages.append({"role": "user", "content": f"What is {index} + {turn * 3 + 1}?"})
                 answer = await _chat(http, url, key, messages)
@@ -117,13 +118,14 @@ def _replay_bodies(calls: list[dict[str, Any]], params: dict[str, Any]) -> list[
 
 
 def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64, words: int | None = None,
-        concurrency: int = 256, latency_s: float | None = None) -> dict[str, Any]:
+        concurrency: int = 256, latency_s: float | None = None, api_processes: int | None = None) -> dict[str, Any]:
     from rollout_buffer.runtime.options import sglang_sampling_params
     from rollout_buffer.runtime.worker_main import event_loop_factory
-    from rollout_buffer.schema import StartRolloutRequest
+    from rollout_buffer.wire.schema import StartRolloutRequest
     from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 
     cpu_sessions = cpu_sessions or (8 if quick else 16)
+    api_processes = api_processes or 1  # more share one Redis (as several hosts would); on 2 cores one is best
     words = words or 270  # ~500 tokens a turn: ~32k tokens by turn 64
     latency_s = latency_s if latency_s is not None else 0.5
     tokenizer = str(qwen_tokenizer_dir("qwen2.5"))
@@ -132,12 +134,21 @@ def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64
         work = Path(tmp)
         engine_port, server_port = _free_port(), _free_port()
         engine = _spawn(["test-engine", "--port", str(engine_port), "--seed", "1"], work / "engine.log")
-        server = _spawn(["serve", "--port", str(server_port), "--data-dir", str(work / "data"), "--workers", "0",
-                         "--log-level", "warning", "--input-root", tokenizer], work / "server.log")
+        flags = ["--workers", "0", "--log-level", "warning", "--input-root", tokenizer]
+        server = _spawn(["serve", "--port", str(server_port), "--data-dir", str(work / "data"), *flags],
+                        work / "server.log")
+        more: list[Any] = []
         try:
             engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{server_port}"
             _wait_for(f"{engine_url}/health", engine)
             _wait_for(f"{url}/health", server)
+            urls = [url]
+            for k in range(1, api_processes):  # more API processes on the first one's Redis
+                port = _free_port()
+                more.append(_spawn(["serve", "--port", str(port), "--data-dir", str(work / f"data{k}"), *flags,
+                                    "--redis-url", f"unix://{work / 'data' / 'redis.sock'}"], work / f"server{k}.log"))
+                urls.append(f"http://127.0.0.1:{port}")
+                _wait_for(f"{urls[-1]}/health", more[-1])
             with httpx.Client(base_url=url, timeout=120) as client:
                 run_id = _start(client, engine_url, tokenizer, "gateway-cpu")
                 warm = _sessions(client, run_id, 2)
@@ -147,11 +158,18 @@ def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64
                 httpx.post(f"{engine_url}/_test/config", json={"latency_s": latency_s})
                 httpx.post(f"{engine_url}/_test/reset_stats")
                 run_id = _start(client, engine_url, tokenizer, "gateway-concurrency")
-                sessions = _sessions(client, run_id, concurrency)
-                cpu_before = (cpu_seconds_precise(server.pid), cpu_seconds_precise(engine.pid), time.process_time())
+                warm = _sessions(client, run_id, len(urls))  # every API process loads the run's tokenizer first
                 with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-                    seconds, calls = runner.run(_concurrent(url, sessions, 3))
-                cpu_after = (cpu_seconds_precise(server.pid), cpu_seconds_precise(engine.pid), time.process_time())
+                    runner.run(_concurrent(urls, warm, 1))
+                httpx.post(f"{engine_url}/_test/reset_stats")
+                sessions = _sessions(client, run_id, concurrency)
+                api_pids = [server.pid, *(p.pid for p in more)]
+                cpu_before = (sum(map(cpu_seconds_precise, api_pids)), cpu_seconds_precise(engine.pid),
+                              time.process_time())
+                with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+                    seconds, calls = runner.run(_concurrent(urls, sessions, 3))
+                cpu_after = (sum(map(cpu_seconds_precise, api_pids)), cpu_seconds_precise(engine.pid),
+                             time.process_time())
                 cpu_ms = {name: 1000 * (after - before) / calls for name, before, after
                           in zip(("gateway", "engine", "load generator"), cpu_before, cpu_after)}
                 logged = httpx.get(f"{engine_url}/_test/calls").json()
@@ -168,14 +186,15 @@ def run(quick: bool = False, *, cpu_sessions: int | None = None, turns: int = 64
                 raise RuntimeError(f"the bare client did not replay the same work: {base_calls} calls, {base_tokens} "
                                    f"tokens vs {calls}, {tokens}")
         finally:
-            for proc in (server, engine):
+            for proc in (*more, server, engine):
                 _stop(proc)
     first, last = steps[0]["cpu_ms_per_turn"], steps[-1]["cpu_ms_per_turn"]
     return {
         "cpu_sessions": cpu_sessions, "turns": turns, "words_per_turn": words,
         "last_prompt_tokens": steps[-1]["prompt_tokens"], "cpu_ms_turn_1": first, "cpu_ms_turn_last": last,
         "cpu_ratio": last / first if first else float("inf"), "steps": steps,
-        "concurrency": concurrency, "latency_s": latency_s, "calls": calls, "seconds": seconds,
+        "concurrency": concurrency, "latency_s": latency_s, "api_processes": api_processes, "calls": calls,
+        "seconds": seconds,
         "calls_per_s": calls / seconds, "baseline_seconds": base_seconds, "baseline_calls_per_s": calls / base_seconds,
         "ratio": base_seconds / seconds, "ideal_calls_per_s": concurrency / latency_s, "cpu_ms_per_call": cpu_ms,
         "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},

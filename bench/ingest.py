@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 
 from bench.records import realistic_record
-from rollout_buffer.packed_batch import CONTENT_TYPE, encode_batch
+from rollout_buffer.wire.packed_batch import CONTENT_TYPE, encode_batch
 
 CLIENTS = 64
 
@@ -104,15 +104,15 @@ async def _run_async(base: str, input_file: Path, count: int, batch_size: int) -
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from tests.helpers import ServerProcess, write_jsonl
+    from tests.support.helpers import ServerProcess, write_jsonl
 
     count, batch_size = (768, 32) if quick else (3072, 64)
-    tasks = Path(__file__).resolve().parent.parent / "tests" / "tasks"
+    tasks = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tasks"
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         input_file = write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "x"}])
         with ServerProcess(tmp_path / "data", "--task-dir", str(tasks), "--workers", "0",
-                           env={"ROLLOUT_BUFFER_BENCH_ROUTES": "1"}) as server:
+                           module="bench.baseline_server") as server:
             return asyncio.run(_run_async(server.url, input_file, count, batch_size))
 
 

@@ -23,12 +23,12 @@ from bench.ingest import _bodies, _drive
 
 # (part, markers): a sample belongs to the first part one of whose markers appears in its stack
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("packing the arrays", ("rollout_buffer/packing.py",)),
-    ("simdjson parse into numpy", ("rollout_buffer/record_parsing.py",)),
+    ("packing the arrays", ("rollout_buffer/wire/packing.py",)),
+    ("simdjson parse into numpy", ("rollout_buffer/wire/record_parsing.py",)),
     ("pydantic validation (the fields other than turns)", ("pydantic/",)),
-    ("Redis write script and its round trip", ("rollout_buffer/store.py", "redis/")),
+    ("Redis write script and its round trip", ("rollout_buffer/store/store.py", "redis/")),
     ("reading the request body", ("parse_body_with", "Request.body", "Request.stream")),
-    ("answer serialisation", ("rollout_buffer/responses.py", "Response.__init__", "serialize_response")),
+    ("answer serialisation", ("rollout_buffer/api/responses.py", "Response.__init__", "serialize_response")),
     ("HTTP stack (uvicorn, starlette, fastapi routing)", ("uvicorn/", "starlette/", "fastapi/", "httptools")),
     ("event loop in C (uvloop: socket reads and writes) and the rest", ("",)),
 )
@@ -63,9 +63,9 @@ def fold(path: Path) -> dict[str, float]:
 
 
 def run(count: int, rounds: int) -> None:
-    from tests.helpers import ServerProcess, write_jsonl
+    from tests.support.helpers import ServerProcess, write_jsonl
 
-    tasks = Path(__file__).resolve().parent.parent / "tests" / "tasks"
+    tasks = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tasks"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         input_file = write_jsonl(work / "in.jsonl", [{"instance_id": "x"}])

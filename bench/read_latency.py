@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from rollout_buffer.store import Store
+from rollout_buffer.store.store import Store
 
 GROUPS, GROUP_SIZE = 128, 8
 
@@ -76,13 +76,13 @@ async def _run_async(url: str, redis_url: str, input_file: Path, few: int, many:
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Returns {few, many, ratio}; `quick` keeps the 100x backlog ratio at a smaller size."""
-    from tests.helpers import ServerProcess, write_jsonl
+    from tests.support.helpers import ServerProcess, write_jsonl
 
     few, many, trials = (1_000, 100_000, 7) if not quick else (500, 50_000, 5)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         input_file = write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "x"}])
-        tasks = Path(__file__).resolve().parent.parent / "tests" / "tasks"
+        tasks = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tasks"
         with ServerProcess(tmp_path / "data", "--task-dir", str(tasks)) as server:
             redis_url = f"unix://{(tmp_path / 'data' / 'redis.sock').resolve()}"
             return asyncio.run(_run_async(server.url, redis_url, input_file, few, many, trials))

@@ -36,7 +36,7 @@ from starlette.responses import Response
 GROUP = 8
 TURNS, FIRST_PROMPT, OUTPUT, TOOL, TEXT = 4, 100, 250, 40, 6000
 WRITE_BATCH = 256
-TASKS = Path(__file__).resolve().parent.parent / "tests" / "tasks"
+TASKS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tasks"
 
 
 def make_record(index: int, *, seed: int = 0) -> dict[str, Any]:
@@ -104,7 +104,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30
 
 def _fill(client: httpx.Client, input_file: Path, records: list[bytes], tag: str) -> str:
     """A fresh run of our buffer holding every record as ready groups (not timed)."""
-    from rollout_buffer.packed_batch import CONTENT_TYPE
+    from rollout_buffer.wire.packed_batch import CONTENT_TYPE
 
     run_id = client.post("/start_rollout", json={"task_type": "external", "input_file": str(input_file),
                                                  "num_repeat_per_sample": GROUP, "run_id": f"bench-read-{tag}"}
@@ -124,7 +124,7 @@ def _timed_read(loop: asyncio.AbstractEventLoop, url: str, read_format: str, run
     decoding (JSON parse, or packed decode into arrays). It runs on a loop of its own, as the adapter's
     reads do: `asyncio.run` in the main thread would format the finished task, hundreds of MB of body
     included, when it puts the SIGINT handler back (CPython's `signal` module), and time that."""
-    from rollout_buffer import packed_read
+    from rollout_buffer.wire import packed_read
     from slime_adapter.buffer_client import _decode_answer, _parse_answer, _post
 
     payload: dict[str, Any] = {"wait_s": 0.0, "lease_s": 600.0}
@@ -150,9 +150,9 @@ def _check(records: list[dict[str, Any]], seed: int) -> None:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from rollout_buffer.packed_batch import encode_batch
-    from rollout_buffer.packing import pack_record
-    from tests.helpers import ServerProcess, free_port, write_jsonl
+    from rollout_buffer.wire.packed_batch import encode_batch
+    from rollout_buffer.wire.packing import pack_record
+    from tests.support.helpers import ServerProcess, free_port, write_jsonl
 
     count, trials, seed = (1024, 3, 1) if quick else (4096, 3, 1)
     made = [make_record(i, seed=seed) for i in range(count)]

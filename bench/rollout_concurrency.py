@@ -109,7 +109,7 @@ def _round(client: httpx.Client, body: dict[str, Any], engine_url: str, buffer_p
            rollouts: int, concurrency: int, run_id: str) -> dict[str, Any]:
     """One measured round: our run, then the bare client replaying exactly its engine calls."""
     from rollout_buffer.runtime.options import sglang_sampling_params
-    from rollout_buffer.schema import StartRolloutRequest
+    from rollout_buffer.wire.schema import StartRolloutRequest
 
     httpx.post(f"{engine_url}/_test/reset_stats")
     cpu_before = {pid: cpu_seconds(pid) for pid in [*buffer_pids, engine_pid]}

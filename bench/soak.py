@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import psutil
 
-from rollout_buffer.packed_batch import CONTENT_TYPE, encode_batch
+from rollout_buffer.wire.packed_batch import CONTENT_TYPE, encode_batch
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "soak-" + uuid.uuid4().hex
@@ -99,9 +99,9 @@ def _rss_mb(process: psutil.Process) -> float:
 
 def run(minutes: float = 5.0, max_growth: float = 0.10, warmup_s: float = 60.0) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
-    from tests.helpers import ServerProcess, write_jsonl
+    from tests.support.helpers import ServerProcess, write_jsonl
 
-    tasks = [str(REPO / "tests" / d) for d in ("tasks", "legacy_tasks", "runtime_tasks")]
+    tasks = [str(REPO / "tests" / "fixtures" / d) for d in ("tasks", "legacy_tasks", "runtime_tasks")]
     flags = [x for d in tasks for x in ("--task-dir", d)]
     with tempfile.TemporaryDirectory(prefix="rb-soak-") as tmp:
         tmp_path = Path(tmp)

@@ -16,8 +16,8 @@ import orjson
 import redis
 
 from bench.records import realistic_record
-from rollout_buffer.embedded_redis import EmbeddedRedis
-from rollout_buffer.packing import pack_record
+from rollout_buffer.store.embedded import EmbeddedRedis
+from rollout_buffer.wire.packing import pack_record
 
 
 def _tokens(record: dict[str, Any]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-dir", type=Path, action="append",
                         help="extra folder of *_generator.py task modules (repeatable)")
     parser.add_argument("--log-level", help="debug | info | warning | error (default info)")
-    parser.add_argument("--task-lease-s", type=float, help="seconds before an unacknowledged task is reclaimed")
+    parser.add_argument("--task-lease-s", type=float,
+                        help="seconds before a job whose worker stopped renewing its claim is reclaimed")
     parser.add_argument("--rollout-timeout-s", type=float, help="per-rollout time limit (default 1800)")
     parser.add_argument("--session-timeout-s", type=float,
                         help="a gateway session idle this long finishes as failed (default 600)")
@@ -70,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="folder that input_file and local tokenizer_path may name (repeatable; "
                               "default: the directory the server started in)")
     network.add_argument("--allow-url", action="append",
-                         help="URL prefix the server may call: engines, /init server_url and its callback "
-                              "(repeatable; default: any)")
+                         help="URL prefix the server may call or hand a task module: engines, a slime-style "
+                              "module's remote_buffer_url, /init server_url and its callback (repeatable; "
+                              "default: any; the list: rollout_buffer/security/outbound.py)")
     network.add_argument("--max-tasks-per-run", type=int,
                          help="largest lines x num_epoch x num_repeat_per_sample of one run (default 10000000)")
 
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--processes", dest="worker_processes", type=int,
                         help="worker processes (default: one per core, at most 8)")
     worker.add_argument("--workers", type=int, help="rollout loops per worker process (default 1)")
+    worker.add_argument("--allow-url", action="append",
+                        help="URL prefix this worker's rollouts may call (repeatable; default: any): a run whose "
+                             "engines lie outside is left alone, as `serve --allow-url` refuses it")
 
     sub.add_parser("status", help="show runs, progress and rates of a running buffer (--watch to follow)",
                    add_help=False)
@@ -118,7 +124,7 @@ def check_redis(settings: Settings) -> str | None:
 
     from redis.exceptions import RedisError
 
-    from rollout_buffer.redis_client import RedisModeError, check_mode, display_url
+    from rollout_buffer.store.redis_client import RedisModeError, check_mode, display_url
 
     try:
         asyncio.run(check_mode(settings.redis_url, settings.redis_cluster))
@@ -131,7 +137,7 @@ def check_redis(settings: Settings) -> str | None:
 
 def warn_if_exposed(settings: Settings) -> bool:
     """Log a loud warning when the server listens beyond loopback without a token; True if it did."""
-    from rollout_buffer.auth import is_loopback
+    from rollout_buffer.security.auth import is_loopback
 
     if is_loopback(settings.host) or settings.auth_token is not None or settings.auth_token_file is not None:
         return False
@@ -146,7 +152,7 @@ def warn_if_exposed(settings: Settings) -> bool:
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from rollout_buffer.api import create_app
+    from rollout_buffer.api.app import create_app
 
     configure_logging(settings.log_level)
     warn_if_exposed(settings)
@@ -178,14 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             from rollout_buffer.demo import main as demo_main
 
             return demo_main(rest)
-        sys.path.insert(0, os.getcwd())  # bench/ and tests/ live in the repository, not in the package
-        try:
-            from bench.__main__ import main as bench_main
-        except ModuleNotFoundError:
+        # bench/ and tests/ live in the repository, not in the package: run them there, in a process of
+        # their own, rather than putting the working directory on this process's import path
+        if not os.path.isfile(os.path.join("bench", "__main__.py")):
             print("rollout-buffer bench: run it from the repository root (the bench/ folder is not installed)",
                   file=sys.stderr)
             return 2
-        return bench_main(rest)
+        return subprocess.call([sys.executable, "-m", "bench", *rest])
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from(args)

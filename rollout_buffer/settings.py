@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     port: int = Field(default=8889, ge=0, le=65535)
     data_dir: Path = Path(".rollout-buffer")
     redis_url: str | None = None
-    # `redis_url` names any node of a Redis Cluster: the cluster client is used (see rollout_buffer.redis_client).
+    # `redis_url` names any node of a Redis Cluster: the cluster client is used (see rollout_buffer.store.redis_client).
     redis_cluster: bool = False
     task_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # Rollout worker processes: `serve --worker-processes N` runs them beside the API, `rollout-buffer worker
@@ -55,7 +55,8 @@ class Settings(BaseSettings):
     # to read. None = keep.
     retain_runs: int | None = Field(default=None, ge=1)
     run_ttl_s: float | None = Field(default=None, gt=0)
-    # A task not acknowledged within this lease is reclaimed by another worker.
+    # A job (one rollout of the stream) whose worker has not renewed its claim for this long is reclaimed by
+    # another worker. The name, `--task-lease-s`, is kept: operators' command lines use it.
     task_lease_s: float = Field(default=600.0, gt=0)
     rollout_timeout_s: float = Field(default=1800.0, gt=0)
     # A gateway session (README "Train any agent") idle this long is finished as failed (counted).
@@ -63,8 +64,6 @@ class Settings(BaseSettings):
     log_level: str = "info"
     # How often the upkeep loop samples each live run's counters for the dashboard's throughput charts.
     timeline_interval_s: float = Field(default=5.0, gt=0)
-    # Adds `/_bench/parse_only` (parses a record, stores nothing): the ingest benchmark's baseline.
-    bench_routes: bool = False
     # Network safety (README "Running on a network"). With a token, every route but /health needs
     # `Authorization: Bearer <token>`; `auth_token_file` reads it from a file (first line) instead.
     auth_token: SecretStr | None = None

@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO))
 
 from rollout_buffer.testing.engine import run_engine_in_thread  # noqa: E402
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir  # noqa: E402
-from tests.browser import OfflineBrowser  # noqa: E402
-from tests.helpers import ServerProcess  # noqa: E402
-from tests.runtime_helpers import arithmetic_rows, start_native, write_rows  # noqa: E402
+from tests.support.browser import OfflineBrowser  # noqa: E402
+from tests.support.helpers import ServerProcess  # noqa: E402
+from tests.support.runtime_helpers import arithmetic_rows, start_native, write_rows  # noqa: E402
 
 
 def read_steps(url: str, run_id: str, engine: Any, stop: threading.Event) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rollout_buffer.auth import ENV_TOKEN, ENV_TOKEN_FILE, token_from_environment
+from rollout_buffer.security.auth import ENV_TOKEN, ENV_TOKEN_FILE, token_from_environment
 
 __all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "BufferAuthError", "auth_headers", "remember_token", "token_from"]
 

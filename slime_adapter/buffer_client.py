@@ -5,7 +5,7 @@ never retried; an unreachable buffer is retried with exponential backoff and the
 answer is a `ValueError` naming what is missing, a network failure an `aiohttp.ClientError`, a poll that
 outlives its timeout an `asyncio.TimeoutError`.
 
-Reads ask for the packed binary answer (`rollout_buffer.packed_read`) unless told otherwise
+Reads ask for the packed binary answer (`rollout_buffer.wire.packed_read`) unless told otherwise
 (`read_format="json"`, the `agent_read_format` argument, or `ROLLOUT_BUFFER_READ_FORMAT=json` for
 debugging): token ids and logprobs then arrive as numpy arrays, never a Python object per token. A buffer
 that does not know the packed form (slime's own, an older one) answers JSON, which is read as before; the
@@ -26,7 +26,7 @@ import httpx
 import orjson
 import tenacity
 
-from rollout_buffer import packed_read
+from rollout_buffer.wire import packed_read
 from slime_adapter.auth import BufferAuthError, auth_headers
 from slime_adapter.settings import READ_FORMAT_ENV, READ_FORMATS, AgentRolloutSettings
 
@@ -367,10 +367,13 @@ async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout:
 
 
 async def ack_batches(api_base_url: str, batch_ids: list[str], *, run_id: str | None, timeout: float = 30.0,
-                      attempts: int = 5, backoff_s: float = 0.5) -> dict[str, str]:
+                      attempts: int = 5, backoff_s: float = 0.5, renew: bool = False) -> dict[str, str]:
     """`POST /ack` the leased batches (retried: acknowledging is idempotent); returns batch id -> outcome
-    (`acked`, `already_acked`, `expired`, `unknown`). Raises after `attempts` failed tries."""
+    (`acked`, `already_acked`, `expired`, `unknown`). Raises after `attempts` failed tries. With `renew`
+    the leases are renewed instead (`renewed` for each one the buffer still holds for this reader)."""
     payload: dict[str, Any] = {"batch_ids": list(batch_ids)}
+    if renew:
+        payload["renew"] = True
     if run_id is not None:
         payload["run_id"] = run_id
     retrying = tenacity.AsyncRetrying(

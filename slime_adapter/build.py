@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_buffer.schema import TrajectoryRecord
+from rollout_buffer.wire.schema import TrajectoryRecord
 from slime_adapter.loss_mask import cached_loss_mask_generator
 from slime_adapter.message_path import build_message_path_sample
 from slime_adapter.sample import make_sample, status_from_record

@@ -23,7 +23,7 @@ DEFAULT_BUFFER_URL = "http://127.0.0.1:8889"
 DEFAULT_NUM_EPOCH = 3
 # what the trainer receives from a token-path record whose history forked (see `fork_policy`)
 FORK_POLICIES: tuple[str, ...] = ("last", "all")
-# what the buffer does with a group staler than `max_staleness` (rollout_buffer.run_policy)
+# what the buffer does with a group staler than `max_staleness` (rollout_buffer.runs.policy)
 STALE_POLICIES: tuple[str, ...] = ("requeue", "drop", "keep")
 # how the message path checks its tokens against the chat template: LOSS_MASK_VERIFY_MODES, from loss_mask
 # the answer form reads ask for: the packed binary form (numpy arrays) or JSON (for debugging)
@@ -98,7 +98,7 @@ class AgentRolloutSettings:
       False by default. See `reward_field`.
     - `input_keys`: slime's dataset keys `input_key`, `label_key`, `metadata_key`, `tool_key`, those the
       namespace has (slime's defaults: "input", None, "metadata", "tools"); sent to `/start_rollout`, where
-      they map every input line (see `rollout_buffer.input_keys`). Absent ones are not sent.
+      they map every input line (see `rollout_buffer.tasks.input_keys`). Absent ones are not sent.
     - `top_k` (`rollout_top_k`): sent in `sampling_params` unless None or -1 (slime's default, "off");
       `stop` (`rollout_stop`), `stop_token_ids` (`rollout_stop_token_ids`): sent when set.
     - `min_batch_collection_ratio` (`min_batch_collection_ratio`): 1.0. A step returns as soon as it holds
@@ -144,7 +144,8 @@ class AgentRolloutSettings:
       adapter acknowledges them (once their samples are in the data buffer and their keys in its metadata),
       and a read retried after a lost answer gets the same batch. A lease that runs out (the trainer
       vanished without restarting) gives the groups back to the buffer; a restarted trainer releases its
-      predecessor's leases at once, so a long lease costs nothing.
+      predecessor's leases at once, so a long lease costs nothing. While a batch is held (read, not yet
+      acknowledged) the adapter renews its lease every `lease_s / 3` (`slime_adapter.lease_renewal`).
     - `loss_mask_verify` (`agent_loss_mask_verify`): "cheap". How records without `turns` check their
       re-rendered tokens: "cheap" invariants, "full" (a second `apply_chat_template(tokenize=True)`
       compared token for token, twice the cost), or "off".

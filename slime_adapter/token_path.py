@@ -8,7 +8,7 @@ so far is closed and a new one starts from that turn's prompt.
 Turns come as validated `Turn`s or dicts of lists (a JSON read), built with list operations, or as dicts
 whose sequences are numpy arrays (a packed read), built with array operations and made into slime's lists
 once per piece, so a packed read's tokens reach the Sample without a Python object per token on the way.
-Both follow the same rule (tests/test_packed_read_adapter.py checks them against one statement of it).
+Both follow the same rule (tests/adapter/test_packed_read_adapter.py checks them against one statement of it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_buffer.schema import Turn
+from rollout_buffer.wire.schema import Turn
 
 __all__ = ["TokenPiece", "TokenPathResult", "build_token_pieces"]
 

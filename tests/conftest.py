@@ -7,16 +7,18 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 
-from rollout_buffer.embedded_redis import EmbeddedRedis
-from rollout_buffer.store import Store
+from rollout_buffer.store.embedded import EmbeddedRedis
+from rollout_buffer.store.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-from tests.helpers import SlimeLikeDataBuffer
-from tests.redis_cluster import LocalRedisCluster
+from tests.support.backends import external_url_from_env
+from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer
+from tests.support.redis_cluster import LocalRedis, LocalRedisCluster
 
 if TYPE_CHECKING:
-    from tests.browser import OfflineBrowser
+    from tests.support.browser import OfflineBrowser
 
 # Deprecation warnings these libraries raise as UserWarning subclasses (so `error::DeprecationWarning` in
 # pyproject.toml does not catch them): they only fire on a deprecated use, which would be ours.
@@ -34,6 +36,49 @@ def pytest_configure(config: pytest.Config) -> None:
         except (ImportError, AttributeError):
             continue
         config.addinivalue_line("filterwarnings", f"error::{dotted}")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module whose `SERVER` names several Redis backends runs its tests once per backend."""
+    spec = getattr(metafunc.module, "SERVER", None)
+    if isinstance(spec, ServerSpec) and len(spec.backends) > 1 and "server" in metafunc.fixturenames:
+        metafunc.parametrize("server", spec.backends, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The test module's `rollout-buffer serve` process, started as its `SERVER` (a `ServerSpec`) says, once
+    per module (and per backend)."""
+    from tests.support.backends import backend
+
+    spec = getattr(request.module, "SERVER", None)
+    if not isinstance(spec, ServerSpec):
+        raise pytest.UsageError(f"{request.module.__name__} uses `server` but sets no SERVER = ServerSpec(...)")
+    if spec.shared is not None:
+        yield request.getfixturevalue(spec.shared)
+        return
+    args = list(spec.args)
+    if spec.task_files:
+        folder = tmp_path_factory.mktemp("tasks")
+        for name, source in spec.task_files.items():
+            (folder / name).write_text(source)
+        args += ["--task-dir", str(folder)]
+    name = getattr(request, "param", spec.backends[0])
+    args += spec.variants[name] if name in spec.variants else backend(request, name).server_args()
+    if spec.cwd_fixture is not None:
+        cwd = request.getfixturevalue(spec.cwd_fixture)[spec.cwd_key]
+        process = ServerProcess(Path(spec.data_dir), *args, env=spec.env, cwd=cwd)
+    else:
+        process = ServerProcess(tmp_path_factory.mktemp("server") / spec.data_dir, *args, env=spec.env)
+    with process as proc:
+        yield proc
+
+
+@pytest.fixture()
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    """An HTTP client on the module's server."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        yield http
 
 
 @pytest.fixture(scope="session")
@@ -56,10 +101,10 @@ def r1_tokenizer() -> Any:
 
 @pytest.fixture()
 def offline_browser(tmp_path: Path) -> Iterator["OfflineBrowser"]:
-    """Headless Chromium with outbound network blocked and a fresh profile (see tests/browser.py):
+    """Headless Chromium with outbound network blocked and a fresh profile (see tests/support/browser.py):
     `offline_browser.open(url, wait_for=selector)` -> a `PageVisit` with every request the page made;
     `visit.screenshot(name)` saves under this test's tmp dir."""
-    from tests.browser import OfflineBrowser  # playwright is imported only by the tests that use it
+    from tests.support.browser import OfflineBrowser  # playwright is imported only by the tests that use it
 
     with OfflineBrowser(tmp_path) as browser:
         yield browser
@@ -128,8 +173,8 @@ def rollout_engine() -> Any:
 def runtime_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One `rollout-buffer serve` process (in-process workers) shared by the runtime tests, with the test
     task folders; tests use their own run ids, so they do not see each other's data."""
-    from tests.helpers import ServerProcess
-    from tests.runtime_helpers import RUNTIME_SERVER_ARGS
+    from tests.support.helpers import ServerProcess
+    from tests.support.runtime_helpers import RUNTIME_SERVER_ARGS
 
     with ServerProcess(tmp_path_factory.mktemp("runtime-data"), *RUNTIME_SERVER_ARGS) as proc:
         yield proc
@@ -141,19 +186,31 @@ def external_buffer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     shared by the agent-rollout test modules; every test there uses its own run id."""
     from pathlib import Path
 
-    from tests.helpers import ServerProcess
+    from tests.support.helpers import ServerProcess
 
     with ServerProcess(tmp_path_factory.mktemp("agent-buffer"), "--task-dir",
-                       str(Path(__file__).parent / "tasks")) as proc:
+                       str(Path(__file__).parent / "fixtures" / "tasks")) as proc:
         yield proc
 
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    """A real 3-node Redis Cluster on loopback, started once per session (see tests/redis_cluster.py and
-    tests/backends.py for how tests share it)."""
+    """A real 3-node Redis Cluster on loopback, started once per session (see tests/support/redis_cluster.py and
+    tests/support/backends.py for how tests share it)."""
     with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def external_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of an external (non-embedded) Redis: CI's `REDIS_URL` when set, else a plain `redis-server`
+    on a loopback port started once per session (tests/support/backends.py)."""
+    url = external_url_from_env()
+    if url:
+        yield url
+        return
+    with LocalRedis(tmp_path_factory.mktemp("external-redis")) as server:
+        yield server.url
 
 
 @pytest.fixture(params=["embedded", "cluster"])

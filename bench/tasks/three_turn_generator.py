@@ -1,7 +1,7 @@
 """Benchmark task: a calculator-style rollout of exactly three engine calls (tool call, answer, tool call
 on a follow-up question), the shape of a small agent loop."""
 
-from rollout_buffer.generator.calculator_generator import TOOLS, run_tool_call
+from rollout_buffer.tasks.builtin.calculator_generator import TOOLS, run_tool_call
 
 TASK_TYPE = "bench_three_turn"
 TURNS = 3

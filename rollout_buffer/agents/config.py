@@ -26,7 +26,7 @@ from typing import Any
 
 from rollout_buffer.agents.sandbox import Limits, load_factory
 from rollout_buffer.agents.verifiers import Verifier, verifier_from
-from rollout_buffer.task_contract import InvalidSample
+from rollout_buffer.tasks.contract import InvalidSample
 
 FIELDS = ("prompt", "instance_id", "session_id", "api_key", "openai_base_url", "anthropic_base_url", "workdir",
           "home")

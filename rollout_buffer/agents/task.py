@@ -25,7 +25,7 @@ from typing import Any
 from rollout_buffer.agents.config import AgentConfig, AgentConfigError, fill, parse
 from rollout_buffer.agents.sandbox import Sandbox, SandboxError, open_sandbox
 from rollout_buffer.agents.verifiers import AgentResult, VerifierError, as_verifier, final_text, run_verifier
-from rollout_buffer.task_contract import InvalidSample, RolloutContext
+from rollout_buffer.tasks.contract import InvalidSample, RolloutContext
 
 TASK_TYPE = "agent_command"
 Prepare = Callable[[Sandbox, dict[str, Any], dict[str, str], AgentConfig], Awaitable[None]]

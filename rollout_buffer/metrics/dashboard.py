@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollout_buffer import __version__, keys
-from rollout_buffer.failures import failure_summary
+from rollout_buffer import __version__
 from rollout_buffer.metrics import histograms, timeline
+from rollout_buffer.metrics.failures import failure_summary
 from rollout_buffer.metrics.readlog import recent_reads
 from rollout_buffer.metrics.snapshot import RunSnapshot, snapshot_runs
-from rollout_buffer.store import Store
+from rollout_buffer.store import keys
+from rollout_buffer.store.store import Store
 
 DEFAULT_READS = 200
 LEASE_COUNTERS = ("batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_expired_groups",
@@ -56,7 +57,8 @@ def gateway_view(run: RunSnapshot, turns_per_s: float | None) -> dict[str, Any]:
         "sessions_open": run.gateway_sessions_open(), "sessions_created": run.stat("gateway_sessions_created"),
         "sessions_finished": run.stat("gateway_sessions_finished"),
         "sessions_timed_out": run.stat("gateway_sessions_timed_out"), "turns": run.stat("gateway_turns"),
-        "turns_per_s": turns_per_s, "forks": run.stat("gateway_forks"), "forks_by_reason": run.prefixed("gateway_forks:"),
+        "turns_per_s": turns_per_s, "forks": run.stat("gateway_forks"),
+        "forks_by_reason": run.prefixed("gateway_forks:"),
         "malformed_tool_calls": run.stat("gateway_malformed_tool_calls"), "replays": run.stat("gateway_replays"),
     }
 

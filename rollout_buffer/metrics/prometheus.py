@@ -31,7 +31,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("batches_leased", "Batches read with a lease", "batches_leased"),
     ("batches_acked", "Leased batches acknowledged by their reader", "batches_acked"),
     ("batch_retries", "Reads of a leased batch again by its batch_id (a lost answer)", "batch_retries"),
-    ("late_acks", "Acknowledgements that came after their lease ran out", "late_acks"),
+    ("late_acks", "Acknowledgements refused because their lease ran out and another read took the groups",
+     "late_acks"),
     ("engine_calls", "Engine calls made by rollouts (a call retried after an error counts once)", "engine_calls"),
     ("engine_retries", "Engine calls retried after a transient error", "engine_retries"),
     ("engine_abort_continuations", "Generations the engine aborted, continued with the rest of the budget",
@@ -87,8 +88,8 @@ def run_families(runs: list[RunSnapshot], active_run: str | None, now: float | N
     by_status: dict[str, int] = {}
     info = GaugeMetricFamily(f"{NS}_run_info", "One series per live run: its task type, status and whether "
                              "unqualified reads and writes go to it", labels=["run_id", "task_type", "status", "active"])
-    tasks = GaugeMetricFamily(f"{NS}_tasks", "Rollout tasks by state", labels=["run_id", "state"])
-    planned = GaugeMetricFamily(f"{NS}_tasks_planned", "Rollout tasks of the run in all (lines x repeats x epochs, "
+    tasks = GaugeMetricFamily(f"{NS}_tasks", "Rollout jobs (rollouts to do) by state", labels=["run_id", "state"])
+    planned = GaugeMetricFamily(f"{NS}_tasks_planned", "Rollout jobs of the run in all (lines x repeats x epochs, "
                                 "less groups trained before a resume)", labels=["run_id"])
     groups = GaugeMetricFamily(f"{NS}_groups", "Groups by state: pending, ready and leased now; handed, filtered, "
                                "timed_out and completed so far", labels=["run_id", "state"])

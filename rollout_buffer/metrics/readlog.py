@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from rollout_buffer import keys
-from rollout_buffer.handover import ReadBatch
 from rollout_buffer.metrics.histograms import HANDOVER_DELAY
-from rollout_buffer.store import Store
+from rollout_buffer.store import keys
+from rollout_buffer.store.handover import ReadBatch
+from rollout_buffer.store.store import Store
 
 MAX_READS = 1000
 REWARD_BINS = 10

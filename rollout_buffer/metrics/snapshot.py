@@ -8,8 +8,8 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer import keys
-from rollout_buffer.store import Store, number, text
+from rollout_buffer.store import keys
+from rollout_buffer.store.store import Store, number, text
 
 # enough samples of the timeline for the current rates (the dashboard reads the whole list itself)
 RECENT_POINTS = 3

@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from rollout_buffer import keys
-from rollout_buffer.batching import run_scripts
+from rollout_buffer.store import keys
+from rollout_buffer.store.batching import run_scripts
 
 FIELDS = ("tasks_done", "tasks_failed", "tokens_generated", "records_written", "samples_handed", "groups_handed",
           "engine_calls", "gateway_turns")

@@ -3,14 +3,15 @@ against the trainer's own `/v1/chat/completions` (with a `response_mask` per cal
 formula in `remote.mask`, its drift measured in `remote.drift`) and reports completion with exactly one
 `POST /v1/rollout/completed`.
 
-The service and its router are imported lazily, so `remote.mask` stays a light import of its own.
+The service is imported lazily, so `remote.mask` stays a light import of its own. Its HTTP routes
+(`POST /init`, `GET /init/{rollout_id}`) are in `rollout_buffer.api.routes.remote`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RemoteService", "router"]
+__all__ = ["RemoteService"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,8 +19,4 @@ def __getattr__(name: str) -> Any:
         from rollout_buffer.remote.service import RemoteService
 
         return RemoteService
-    if name == "router":
-        from rollout_buffer.remote.routes import router
-
-        return router
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,9 +20,9 @@ import aiohttp
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
-from rollout_buffer.access import AccessPolicy
 from rollout_buffer.remote.settings import RemoteSettings
 from rollout_buffer.remote.state import RemoteStates
+from rollout_buffer.security.access import AccessPolicy
 
 log = logging.getLogger(__name__)
 CALLBACK_PATH = "/v1/rollout/completed"

@@ -23,7 +23,7 @@ from rollout_buffer.remote.metrics import RemoteMetrics
 from rollout_buffer.runtime.chat_client import parse_chat_answer
 from rollout_buffer.runtime.engine_http import RetryPolicy, TransientEngineError, call_with_retries, post_once
 from rollout_buffer.runtime.history import HistoryGuard, snapshot
-from rollout_buffer.task_contract import ChatResult, HistoryRewriteError
+from rollout_buffer.tasks.contract import ChatResult, HistoryRewriteError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_buffer.remote.drift import Drift, measure_drift
-from rollout_buffer.task_contract import HistoryRewriteError
+from rollout_buffer.tasks.contract import HistoryRewriteError
 
 _EOT_TOKEN = "<|im_end|>"
 

@@ -4,8 +4,8 @@ Life of a rollout_id: `/init` claims it (`queued`, owned by this process), a bac
 `running` and runs the task module's `rollout(sample, ctx)` against the trainer, then it becomes
 `completed` or `error` with its callback body stored, and the callback is delivered (`delivered`).
 
-Recovery: each API process holds a lease key with a TTL, renewed by a heartbeat. At start-up and then
-periodically, every unsettled rollout whose owner's lease has lapsed is taken over (an owner-checked
+Recovery: each API process holds an ownership key with a TTL, renewed by a heartbeat. At start-up and then
+periodically, every unsettled rollout whose owner's key has lapsed is taken over (an owner-checked
 compare-and-set, so only one process wins): `queued` ones are run (the trainer has seen no call yet),
 `running` ones are reported as ERROR ("buffer restarted"; the trainer already holds part of them, so they
 cannot be replayed), finished ones get their stored callback (re)delivered under the same idempotency key.
@@ -28,7 +28,6 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
-from rollout_buffer.access import AccessDenied, AccessPolicy
 from rollout_buffer.remote.callback import CallbackSender
 from rollout_buffer.remote.engine import CallReport, RemoteEngineClient
 from rollout_buffer.remote.metrics import RemoteMetrics
@@ -38,10 +37,11 @@ from rollout_buffer.remote.state import RemoteStates, public_view
 from rollout_buffer.runtime.engine_http import RetryPolicy, new_session
 from rollout_buffer.runtime.history import snapshot
 from rollout_buffer.runtime.tokenizers import get_tokenizer
+from rollout_buffer.security.access import AccessDenied, AccessPolicy
 from rollout_buffer.settings import Settings
-from rollout_buffer.store import Store
-from rollout_buffer.task_contract import RolloutContext
-from rollout_buffer.tasks import TaskRegistry
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.contract import RolloutContext
+from rollout_buffer.tasks.discovery import TaskRegistry
 
 log = logging.getLogger(__name__)
 RESTARTED = "buffer restarted while the rollout was running; it cannot be resumed (the trainer already holds part of it)"
@@ -72,7 +72,7 @@ class RemoteService:
     # ----- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Take the lease, then take over whatever a dead process left unfinished."""
+        """Take ownership, then take over whatever a dead process left unfinished."""
         self._session = new_session()
         self._sender = CallbackSender(self._session, self.states, self.config, self.owner, access=self.access)
         await self._heartbeat_once()
@@ -84,7 +84,7 @@ class RemoteService:
                        asyncio.create_task(self._scan_loop(), name="remote-scan")]
 
     async def stop(self) -> None:
-        """Interrupt running rollouts with an ERROR callback (within the grace time), give up the lease."""
+        """Interrupt running rollouts with an ERROR callback (within the grace time), give up ownership."""
         for loop in self._loops:
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
@@ -101,7 +101,7 @@ class RemoteService:
         try:
             await self.states.release(self.owner)  # a restart takes over at once instead of after the TTL
         except Exception:
-            log.exception("remote rollouts: could not release the lease")
+            log.exception("remote rollouts: could not give up ownership")
         if self._session is not None:
             await self._session.close()
 

@@ -13,8 +13,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class RemoteSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROLLOUT_BUFFER_REMOTE_", extra="ignore")
 
-    # An API process's liveness lease: after it lapses (process killed), another process or the restarted
-    # one takes over its unfinished rollouts. Shorter = faster recovery, more heartbeat writes.
+    # How long an API process's ownership key lives unrenewed: after it lapses (process killed), another
+    # process or the restarted one takes over its unfinished rollouts. Shorter = faster recovery, more
+    # heartbeat writes.
     owner_ttl_s: float = Field(default=15.0, gt=0)
     # Rollouts driven at once by one API process; the rest wait in state "queued".
     max_concurrency: int = Field(default=512, ge=1)

@@ -1,6 +1,6 @@
-"""Durable state of remote rollouts in Redis (`rb:remote:{rollout_id}`, see `rollout_buffer.keys`).
+"""Durable state of remote rollouts in Redis (`rb:remote:{rollout_id}`, see `rollout_buffer.store.keys`).
 
-Every rollout has an `owner`: the API process driving it, alive while its lease key
+Every rollout has an `owner`: the API process driving it, alive while its ownership key
 `rb:remote_owner:{owner}` exists. All state changes go through one Lua script that checks the owner (and
 optionally the status) first, so a process that lost its rollout to a takeover can never move it again,
 and the claim of a new rollout_id is one atomic "create if absent". Each script touches one key only, so
@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer import keys
-from rollout_buffer.redis_client import RedisClient
 from rollout_buffer.remote.drift import Drift
 from rollout_buffer.remote.schema import InitRequest
+from rollout_buffer.store import keys
+from rollout_buffer.store.redis_client import RedisClient
 
 # Create the hash only when absent: the race-free claim of a rollout_id across API processes.
 _CLAIM = """

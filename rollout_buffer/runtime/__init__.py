@@ -1,4 +1,4 @@
-"""Rollout runtime: task streams, worker loops, engine clients, and the legacy (slime) runner.
+"""Rollout runtime: job streams, worker loops, engine clients, and the legacy (slime) runner.
 
 `RolloutRuntime` and `build_runtime` are imported on first use, so that a process needing only a light
 part of the package (the worker supervisor) does not import the rollout machinery with it.

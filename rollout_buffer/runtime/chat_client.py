@@ -15,8 +15,8 @@ from typing import Any
 from rollout_buffer.metrics.histograms import ENGINE_CALL
 from rollout_buffer.runtime.engine_http import TransientEngineError, call_with_retries, post_once
 from rollout_buffer.runtime.sglang_client import ROUTING_HEADER, RolloutEngineSession, merge_sampling
-from rollout_buffer.task_contract import ChatResult
-from rollout_buffer.versions import as_version
+from rollout_buffer.tasks.contract import ChatResult
+from rollout_buffer.wire.versions import as_version
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
-"""Running one task: the task module's `rollout()` under a time limit, then exactly one record.
+"""Running one job: the task module's `rollout()` under a time limit, then exactly one record.
 
 Whatever happens inside the rollout (an exception, an engine error after retries, the time limit, a line
-the task cannot use), the task ends with a record, so its group completes. Only infrastructure failures
-(Redis unreachable) or a worker shutdown leave a task unacknowledged, and then another worker reclaims it
-after the lease. The task sees the input line normalised with the run's slime keys
-(`rollout_buffer.input_keys`); failures are counted by type and logged without flooding
+the task cannot use), the job ends with a record, so its group completes. Only infrastructure failures
+(Redis unreachable) or a worker shutdown leave a job unacknowledged, and then another worker reclaims it
+once the claim goes stale. The task sees the input line normalised with the run's slime keys
+(`rollout_buffer.tasks.input_keys`); failures are counted by type and logged without flooding
 (`rollout_buffer.runtime.failure_log`).
 
-A task the admission rule holds back (`TaskQueue.start` says deferred) is not run and not acknowledged:
+A job the admission rule holds back (`JobQueue.start` says deferred) is not run and not acknowledged:
 the caller keeps it and tries again. Every record carries its group's `generation` and its
 `policy_version`: the oldest stamp of its engine calls, else the run's policy version when it started.
 """
@@ -24,22 +24,22 @@ from typing import Any
 
 import aiohttp
 
-from rollout_buffer.gateway.in_rollout import RolloutSession
-from rollout_buffer.input_keys import InputKeys, normalise, prompt_messages
+from rollout_buffer.runtime.rollout_session import RolloutSession
 from rollout_buffer.metrics.histograms import ROLLOUT_DURATION
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy
 from rollout_buffer.runtime.engines import EngineRing
 from rollout_buffer.runtime.failure_log import FailureLog
+from rollout_buffer.runtime.jobqueue import TERMINAL, Job, JobQueue
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.policy_clock import PolicyClock
 from rollout_buffer.runtime.records import failure_record, success_record
 from rollout_buffer.runtime.sglang_client import GenerateClient
-from rollout_buffer.runtime.taskqueue import TERMINAL, Task, TaskQueue
-from rollout_buffer.schema import StartRolloutRequest
-from rollout_buffer.store import Store
-from rollout_buffer.task_contract import EngineClient, RolloutContext
-from rollout_buffer.tasks import TaskModule
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.contract import EngineClient, RolloutContext
+from rollout_buffer.tasks.discovery import TaskModule
+from rollout_buffer.tasks.input_keys import InputKeys, normalise, prompt_messages
+from rollout_buffer.wire.schema import StartRolloutRequest
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RunHandle:
     options: RunOptions
     task: TaskModule
     tokenizer: Any | None
-    queue: TaskQueue
+    queue: JobQueue
     failures: FailureLog | None = field(default=None)
     clock: PolicyClock | None = field(default=None)
 
@@ -104,19 +104,19 @@ def _prompt_messages(handle: RunHandle, line: dict[str, Any] | None) -> list[dic
     return [m for m in prompt_messages(prompt) if isinstance(m.get("role"), str)]
 
 
-async def execute(handle: RunHandle, task: Task, *, store: Store, session: aiohttp.ClientSession,
+async def execute(handle: RunHandle, job: Job, *, store: Store, session: aiohttp.ClientSession,
                   worker: str) -> str:
-    """Run one delivered task to its record; returns the state it ended in (done | failed | skipped), or
+    """Run one delivered job to its record; returns the state it ended in (done | failed | skipped), or
     `deferred` (admission is full: nothing was done, the task is still delivered to this worker)."""
-    queue, uid = handle.queue, task.uid(handle.run_id)
-    claim = await queue.start(task)
+    queue, uid = handle.queue, job.uid(handle.run_id)
+    claim = await queue.start(job)
     if claim.deferred:
         return "deferred"
     if not claim.proceed:  # finished by someone else, its group skipped, or its run retired: acked
         return claim.previous if claim.previous in TERMINAL else "skipped"
     stats: Counter[str] = Counter()
-    common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
-                              "repeat": task.repeat, "attempt": claim.attempt, "generation": task.gen,
+    common: dict[str, Any] = {"uid": uid, "instance_id": job.instance_id, "epoch": job.epoch,
+                              "repeat": job.repeat, "attempt": claim.attempt, "generation": job.gen,
                               "policy_version": await handle.policy_version()}
     if claim.sample is None:
         record = failure_record("input line not found in the run's stored samples", messages=[],
@@ -126,7 +126,7 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
                                 "was stopped each time)", messages=_prompt_messages(handle, claim.sample),
                                 tools=handle.task.tools, duration_s=0.0, error_type="TooManyAttempts", **common)
     else:
-        record = await _rollout(handle, task, claim.sample, session=session, store=store, uid=uid,
+        record = await _rollout(handle, job, claim.sample, session=session, store=store, uid=uid,
                                 attempt=claim.attempt, stats=stats, worker=worker, started=time.monotonic())
         ROLLOUT_DURATION.observe(stats, float(record.get("duration_s") or 0.0))
     failed = record["status"] == "failed"
@@ -139,12 +139,12 @@ async def execute(handle: RunHandle, task: Task, *, store: Store, session: aioht
         final = "skipped"
     else:
         final = "failed" if record["status"] == "failed" else "done"
-        stats[f"epoch_done:{task.epoch}"] += 1  # per-epoch progress (dashboard)
-    await queue.finish(task, final, dict(stats))
+        stats[f"epoch_done:{job.epoch}"] += 1  # per-epoch progress (dashboard)
+    await queue.finish(job, final, dict(stats))
     return final
 
 
-async def _rollout(handle: RunHandle, task: Task, line: dict[str, Any], *, session: aiohttp.ClientSession,
+async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session: aiohttp.ClientSession,
                    store: Store, uid: str, attempt: int, stats: Counter[str], worker: str,
                    started: float) -> dict[str, Any]:
     client = handle.engine_client(session, uid, stats)
@@ -152,16 +152,16 @@ async def _rollout(handle: RunHandle, task: Task, line: dict[str, Any], *, sessi
     logger = logging.LoggerAdapter(log, {"uid": uid, "worker": worker})
     ctx = RolloutContext(
         engine=client, tokenizer=handle.tokenizer, sampling_params=dict(handle.options.sampling_params),
-        attempt=attempt, logger=logger, run_id=handle.run_id, uid=uid, instance_id=task.instance_id,
-        epoch=task.epoch, repeat=task.repeat, task_type=handle.task.task_type,
+        attempt=attempt, logger=logger, run_id=handle.run_id, uid=uid, instance_id=job.instance_id,
+        epoch=job.epoch, repeat=job.repeat, task_type=handle.task.task_type,
         extra={"options": handle.options.extra}, line=line,
     )
     gateway = RolloutSession(store=store, run_id=handle.run_id, uid=uid, attempt=attempt,
-                             instance_id=task.instance_id, epoch=task.epoch,
+                             instance_id=job.instance_id, epoch=job.epoch,
                              buffer_url=handle.request.remote_buffer_url)
     ctx.session_opener = gateway.open
-    common: dict[str, Any] = {"uid": uid, "instance_id": task.instance_id, "epoch": task.epoch,
-                              "repeat": task.repeat, "attempt": attempt, "generation": task.gen}
+    common: dict[str, Any] = {"uid": uid, "instance_id": job.instance_id, "epoch": job.epoch,
+                              "repeat": job.repeat, "attempt": attempt, "generation": job.gen}
 
     def version() -> int | None:  # the oldest stamp of the calls made so far, else the start's version
         stamps = getattr(client, "versions", None)

@@ -4,7 +4,7 @@ A run whose every rollout fails (a bad data file, a dead engine) used to log one
 rollout. Now each worker process logs, per run, one warning the first time the run meets an error type
 (only the process that stores the type's first example in Redis logs it, so a type is announced once
 however many workers there are), and at most one summary per `interval_s` with the counts since the last
-one. The full counts and examples are in `GET /runs/{run_id}` (`rollout_buffer.failures`).
+one. The full counts and examples are in `GET /runs/{run_id}` (`rollout_buffer.metrics.failures`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.failures import record_example
-from rollout_buffer.redis_client import RedisClient
+from rollout_buffer.metrics.failures import record_example
+from rollout_buffer.store.redis_client import RedisClient
 
 log = logging.getLogger(__name__)
 SUMMARY_INTERVAL_S = 30.0

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.task_contract import HistoryRewriteError
+from rollout_buffer.tasks.contract import HistoryRewriteError
 
 
 def snapshot(value: Any) -> Any:

@@ -1,7 +1,7 @@
 """The runtime's view of a run's `input_file`: every line, or a `StartRolloutError` naming the bad one.
 
-The line format and id rules live in `rollout_buffer.input_file`; the key mapping that turns a line into
-the sample a task sees lives in `rollout_buffer.input_keys`.
+The line format and id rules live in `rollout_buffer.tasks.input_file`; the key mapping that turns a line into
+the sample a task sees lives in `rollout_buffer.tasks.input_keys`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollout_buffer.input_file import InputFileError, iter_lines
-from rollout_buffer.runs import StartRolloutError
+from rollout_buffer.runs.lifecycle import StartRolloutError
+from rollout_buffer.tasks.input_file import InputFileError, iter_lines
 
 
 def read_samples(path: str | Path) -> list[dict[str, Any]]:

@@ -13,9 +13,9 @@ import logging
 import threading
 from typing import Any
 
-from rollout_buffer import keys
-from rollout_buffer.runs import RunSpec
-from rollout_buffer.store import Store
+from rollout_buffer.runs.lifecycle import RunSpec
+from rollout_buffer.store import keys
+from rollout_buffer.store.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from rollout_buffer import keys
-from rollout_buffer.versions import as_version
+from rollout_buffer.store import keys
+from rollout_buffer.wire.versions import as_version
 
 DEFAULT_TTL_S = 1.0
 

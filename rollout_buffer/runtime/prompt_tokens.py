@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from rollout_buffer.task_contract import HistoryRewriteError
+from rollout_buffer.tasks.contract import HistoryRewriteError
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollout_buffer.schema import TrajectoryRecord
+from rollout_buffer.wire.schema import TrajectoryRecord
 
 # Fields the runtime owns; a task's value for them is ignored.
 _RUNTIME_FIELDS = {"uid", "instance_id", "epoch", "run_id", "turns", "timestamp", "repeat", "attempt", "generation",

@@ -26,21 +26,22 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from rollout_buffer.access import AccessDenied, AccessPolicy, tokenizer_unavailable
-from rollout_buffer.auth import run_write_url
-from rollout_buffer.run_policy import PolicyError, RunPolicy
-from rollout_buffer.runs import RunSpec, StartRolloutError
+from rollout_buffer.runs.lifecycle import RunSpec, StartRolloutError
+from rollout_buffer.runs.policy import PolicyError, RunPolicy
 from rollout_buffer.runtime.inputs import read_samples
+from rollout_buffer.runtime.jobqueue import EnqueueStopped, JobQueue
 from rollout_buffer.runtime.legacy import LegacyRunner
 from rollout_buffer.runtime.options import RunOptions
-from rollout_buffer.runtime.supervisor import WorkerSupervisor, redis_url_of
-from rollout_buffer.runtime.taskqueue import EnqueueStopped, TaskQueue
+from rollout_buffer.runtime.supervisor import WorkerSupervisor
 from rollout_buffer.runtime.tokenizers import check_tokenizer_in_child, get_tokenizer
 from rollout_buffer.runtime.worker import WorkerPool, publish_run
-from rollout_buffer.schema import StartRolloutRequest
+from rollout_buffer.runtime.worker_env import redis_url_of
+from rollout_buffer.security.access import AccessDenied, AccessPolicy, tokenizer_unavailable
+from rollout_buffer.security.auth import run_write_url
 from rollout_buffer.settings import Settings
-from rollout_buffer.store import Store
-from rollout_buffer.tasks import TaskModule, TaskRegistry
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.discovery import TaskModule, TaskRegistry
+from rollout_buffer.wire.schema import StartRolloutRequest
 
 log = logging.getLogger(__name__)
 ENQUEUE_RETRY_S = 1.0
@@ -63,7 +64,7 @@ def check_task_count(lines: int, request: StartRolloutRequest, limit: int) -> No
 
 
 class RolloutRuntime:
-    """Implements `rollout_buffer.runs.Runtime` for native and legacy task modules."""
+    """Implements `rollout_buffer.runs.lifecycle.Runtime` for native and legacy task modules."""
 
     def __init__(self, store: Store, registry: TaskRegistry, settings: Settings, *, worker_loops: int | None = None,
                  pool_name: str | None = None) -> None:
@@ -149,7 +150,7 @@ class RolloutRuntime:
             log.info("run %s: legacy task %s started in a thread", spec.run_id, spec.task.task_type)
 
     async def _launch_native(self, spec: RunSpec) -> None:
-        if not await TaskQueue(self.store.redis, spec.run_id).enqueue_done():
+        if not await JobQueue(self.store.redis, spec.run_id).enqueue_done():
             keep_order = spec.policy is not None and spec.policy.group_filter is not None
             self._enqueue_in_background(spec.run_id, spec.request, spec.excluded_groups, keep_order)
         await publish_run(self.store, spec.run_id)
@@ -173,7 +174,7 @@ class RolloutRuntime:
                        keep_order: bool) -> None:
         """Store the run's lines and tasks; Redis outages are retried (enqueueing is idempotent), a file
         that can no longer be read fails the run (counted, logged)."""
-        queue = TaskQueue(self.store.redis, run_id)
+        queue = JobQueue(self.store.redis, run_id)
         while not self._stopping.is_set():
             try:
                 samples = await asyncio.to_thread(read_samples, request.input_file)
@@ -237,7 +238,7 @@ class RolloutRuntime:
 
 
 def build_runtime(store: Store, registry: TaskRegistry, settings: Settings) -> RolloutRuntime:
-    """The default runtime factory of `rollout_buffer.api.create_app`."""
+    """The default runtime factory of `rollout_buffer.api.app.create_app`."""
     runtime = RolloutRuntime(store, registry, settings)
     try:
         runtime.start()

@@ -5,7 +5,7 @@ and records `{prompt_ids, output_ids, output_logprobs, finish_reason, weight_ver
 generation the engine aborts (e.g. for a weight update) is continued with the rest of the token budget,
 its prompt being the original prompt + the partial output, and the pieces are joined into one turn.
 
-Versions (`rollout_buffer.versions`): each piece is stamped with the engine's `weight_version` when that is
+Versions (`rollout_buffer.wire.versions`): each piece is stamped with the engine's `weight_version` when that is
 a version, else with the run's policy version when the piece started (`PolicyClock`, read afresh after an
 abort). When any piece is stamped, the turn's `weight_version` is its oldest stamp, and a turn whose pieces
 carry different stamps keeps them per token in `version_spans`. Unstamped turns keep what the engine said.
@@ -21,7 +21,6 @@ from typing import Any
 
 import aiohttp
 
-from rollout_buffer.chat_format import parse_assistant_text
 from rollout_buffer.metrics.histograms import ENGINE_CALL
 from rollout_buffer.runtime.engine_http import (
     EngineTimeout,
@@ -35,8 +34,9 @@ from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.options import DEFAULT_MAX_NEW_TOKENS
 from rollout_buffer.runtime.policy_clock import PolicyClock
 from rollout_buffer.runtime.prompt_tokens import PromptTokens
-from rollout_buffer.task_contract import ChatResult
-from rollout_buffer.versions import as_version, merge_spans
+from rollout_buffer.tasks.chat_format import parse_assistant_text
+from rollout_buffer.tasks.contract import ChatResult
+from rollout_buffer.wire.versions import as_version, merge_spans
 
 log = logging.getLogger(__name__)
 ROUTING_HEADER = "X-SMG-Routing-Key"

@@ -1,7 +1,7 @@
 """Worker processes that live and die with the command that started them.
 
 `serve --worker-processes N` and `rollout-buffer worker --processes N` run N rollout worker processes
-(`python -m rollout_buffer.runtime.supervisor`, see `child_main`), which join the task stream's consumer group like any
+(`python -m rollout_buffer.runtime.supervisor`, see `child_main`), which join the job stream's consumer group like any
 other worker. Their life follows the parent's:
 
 * started with it, each told its place (`index` of `count`) so the processes split every run's
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.embedded_redis import SOCKET_NAME
+from rollout_buffer.runtime.worker_env import require_redis_url, stop_event
 from rollout_buffer.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,39 +75,6 @@ def die_with_parent(parent_pid: int) -> None:
         log.warning("PR_SET_PDEATHSIG is unavailable: worker processes may outlive a killed parent")
     if os.getppid() != parent_pid:
         os._exit(0)
-
-
-def redis_url_of(settings: Settings) -> str | None:
-    """`--redis-url`, else the embedded Redis socket of a server on this machine using the same `--data-dir`."""
-    if settings.redis_url:
-        return settings.redis_url
-    socket_path = settings.data_dir / SOCKET_NAME
-    return f"unix://{socket_path.resolve()}" if socket_path.exists() else None
-
-
-def require_redis_url(settings: Settings) -> str:
-    url = redis_url_of(settings)
-    if url is None:
-        raise SystemExit("rollout-buffer worker: give --redis-url (or --data-dir of a running server)")
-    return url
-
-
-def stop_event(hard_exit_after_s: float | None = None) -> asyncio.Event:
-    """An event that SIGINT/SIGTERM set (call on the running loop). With `hard_exit_after_s`, a stop that
-    takes longer than that ends the process anyway (SIGALRM's default action): a supervised worker must
-    never outlive its parent by long, whatever its shutdown waits for."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        stop.set()
-        if hard_exit_after_s is not None:
-            signal.alarm(max(1, int(hard_exit_after_s)))
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, on_signal)
-    return stop
 
 
 def child_settings(settings: Settings, redis_url: str | None) -> dict[str, Any]:

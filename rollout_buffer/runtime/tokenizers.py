@@ -4,7 +4,7 @@ The cache keeps the `CACHE_SIZE` most recently used tokenizers: a long-lived ser
 tokenizer paths over its runs does not keep every one in memory (a run in progress holds its own
 reference, so eviction never unloads a tokenizer that is in use). Names that are not local folders are
 looked up in the Hugging Face cache only, unless the caller allows downloads (`--allow-hub-downloads`);
-which names may be loaded at all is `rollout_buffer.access`'s decision, made before this is called.
+which names may be loaded at all is `rollout_buffer.security.access`'s decision, made before this is called.
 
 A process that only checks that a run's tokenizer loads (the API, when worker processes do the rollouts)
 uses `check_tokenizer_in_child`: a short-lived child process loads it, so the API never holds the ~100 MB

@@ -1,15 +1,16 @@
-"""Rollout workers: asyncio loops that take tasks from every active run's stream and run them.
+"""Rollout workers: asyncio loops that take jobs from every active run's job stream and run them.
 
 The same code runs inside `serve`, in its worker processes and as `rollout-buffer worker` on any machine.
 A pool watches the run index and the `run_events` stream (a blocking read, no polling loop), and for each
 running native run it keeps up to `num_process` rollouts in flight per loop, split between the processes
-of one command (`share`): `serve` with 4 worker processes keeps `num_process` in flight in all, not 4x. Leases: a live worker renews the tasks it holds
-every third of `task_lease_s`; a dead worker's tasks go idle and are reclaimed (XAUTOCLAIM) by another.
+of one command (`share`): `serve` with 4 worker processes keeps `num_process` in flight in all, not 4x.
+Claims: a live worker renews its claim on the jobs it holds every third of `task_lease_s` (the setting
+keeps its name); a dead worker's jobs go idle and are reclaimed (XAUTOCLAIM) by another.
 
-Admission (`rollout_buffer.runtime.taskqueue`): a task the run's staleness bound holds back is kept by its
-loop, unacknowledged and renewed, and tried again every `DEFER_RETRY_S`; while a loop holds such tasks it
-reads no new ones (they come later in the stream), but still reclaims dead workers' tasks. A run that had
-finished and gets new tasks (a stale group rolled out again, a filtered group replaced) is announced on
+Admission (`rollout_buffer.runtime.jobqueue`): a job the run's staleness bound holds back is kept by its
+loop, unacknowledged and renewed, and tried again every `DEFER_RETRY_S`; while a loop holds such jobs it
+reads no new ones (they come later in the stream), but still reclaims dead workers' jobs. A run that had
+finished and gets new jobs (a stale group rolled out again, a filtered group replaced) is announced on
 the run-events stream and served again. A new policy version is announced there too and goes straight to
 the run's `PolicyClock`, so engine calls are stamped with it without a Redis read per call.
 """
@@ -30,23 +31,25 @@ from typing import Any
 import aiohttp
 from redis.exceptions import RedisError
 
-from rollout_buffer import keys
 from rollout_buffer.runtime.engine_http import close_session, new_session
 from rollout_buffer.runtime.executor import RunHandle, execute
+from rollout_buffer.runtime.jobqueue import Job, JobQueue
 from rollout_buffer.runtime.options import RunOptions
-from rollout_buffer.runtime.taskqueue import Task, TaskQueue
 from rollout_buffer.runtime.tokenizers import get_tokenizer, release_free_heap
-from rollout_buffer.schema import StartRolloutRequest
+from rollout_buffer.security.access import AccessDenied, AccessPolicy
+from rollout_buffer.security.outbound import checked_engine_urls
 from rollout_buffer.settings import Settings
-from rollout_buffer.store import Store
-from rollout_buffer.tasks import TaskRegistry
-from rollout_buffer.versions import as_version
+from rollout_buffer.store import keys
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.discovery import TaskRegistry
+from rollout_buffer.wire.schema import StartRolloutRequest
+from rollout_buffer.wire.versions import as_version
 
 log = logging.getLogger(__name__)
 MAX_BLOCK_S = 2.0
 REDIS_RETRY_S = 1.0
 STATUS_CHECK_S = 1.0  # how often a run loop checks that its run was not superseded or deleted
-DEFER_RETRY_S = 0.1  # how often held-back tasks try to start again
+DEFER_RETRY_S = 0.1  # how often held-back jobs try to start again
 
 
 def share_of(total: int, share: tuple[int, int]) -> int:
@@ -77,7 +80,8 @@ async def publish_run(store: Store, run_id: str) -> None:
 
 
 async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, run_id: str) -> RunHandle | None:
-    """The run as this worker can serve it, or None (unknown task here, legacy task, bad config)."""
+    """The run as this worker can serve it, or None (unknown task here, legacy task, bad config, an engine
+    outside this process's `--allow-url`)."""
     config = await store.run_config(run_id)
     if config is None:
         return None
@@ -89,10 +93,15 @@ async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, 
     if task.kind != "native":
         return None
     options = RunOptions.from_request(request, rollout_timeout_s=settings.rollout_timeout_s)
+    try:  # checked at /start_rollout; again here, for a run stored before this process's --allow-url narrowed
+        checked_engine_urls(AccessPolicy.from_settings(settings), request.remote_engine_url)
+    except AccessDenied as exc:
+        log.error("run %s: not served by this worker: %s", run_id, exc)
+        return None
     tokenizer = (await get_tokenizer(options.tokenizer_path, allow_download=settings.allow_hub_downloads)
                  if options.tokenizer_path else None)
     return RunHandle(run_id=run_id, request=request, options=options, task=task, tokenizer=tokenizer,
-                     queue=TaskQueue(store.redis, run_id))
+                     queue=JobQueue(store.redis, run_id))
 
 
 @dataclass
@@ -103,10 +112,10 @@ class RunLoop:
     store: Store
     session: aiohttp.ClientSession
     consumer: str
-    lease_s: float
+    claim_s: float
     limit: int
     inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
-    deferred: collections.deque[Task] = field(default_factory=collections.deque)
+    deferred: collections.deque[Job] = field(default_factory=collections.deque)
     stopping: bool = False
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _slot_freed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -118,10 +127,10 @@ class RunLoop:
 
     @property
     def renew_every(self) -> float:
-        return self.lease_s / 3
+        return self.claim_s / 3
 
     async def run(self) -> None:
-        """Take and run tasks until the run is over (or `stop`)."""
+        """Take and run jobs until the run is over (or `stop`)."""
         self._reader = asyncio.current_task()
         await self.handle.queue.ensure_group()
         while not self.stopping:
@@ -133,7 +142,7 @@ class RunLoop:
                 await wait_or_timeout(self._stopped, REDIS_RETRY_S)
 
     async def _step(self) -> bool:
-        """One round: renew leases, then wait for a free slot or take tasks; True when the run is over."""
+        """One round: renew claims, then wait for a free slot or take jobs; True when the run is over."""
         queue = self.handle.queue
         now = time.monotonic()
         if now - self._last_status >= STATUS_CHECK_S:
@@ -152,41 +161,41 @@ class RunLoop:
             self._slot_freed.clear()
             await wait_or_timeout(self._slot_freed, max(0.01, self.renew_every - (now - self._last_renew)))
             return False
-        tasks = []
-        if now - self._last_reclaim >= self.lease_s / 2:
+        jobs = []
+        if now - self._last_reclaim >= self.claim_s / 2:
             self._last_reclaim = now
             held = {t.entry_id for t in self.deferred}
-            tasks = [t for t in await queue.reclaim(self.consumer, self.lease_s, free)
+            jobs = [t for t in await queue.reclaim(self.consumer, self.claim_s, free)
                      if t.entry_id not in self.inflight and t.entry_id not in held]
-            if tasks:
-                log.info("run %s: %s reclaimed %d task(s) from expired leases", self.handle.run_id, self.consumer,
-                         len(tasks))
-        if not tasks and self.deferred:
+            if jobs:
+                log.info("run %s: %s reclaimed %d job(s) from stale claims", self.handle.run_id, self.consumer,
+                         len(jobs))
+        if not jobs and self.deferred:
             wait = DEFER_RETRY_S - (now - self._last_deferred)
             if wait > 0:
                 self._slot_freed.clear()
                 await wait_or_timeout(self._slot_freed, min(wait, max(0.01, self.renew_every - (now - self._last_renew))))
                 return False
             self._last_deferred = now
-            tasks = [self.deferred.popleft() for _ in range(min(free, len(self.deferred)))]
-        elif not tasks:
+            jobs = [self.deferred.popleft() for _ in range(min(free, len(self.deferred)))]
+        elif not jobs:
             block_s = max(0.01, min(MAX_BLOCK_S, self.renew_every))
-            tasks = await queue.read_new(self.consumer, free, int(block_s * 1000))
-        for task in tasks:
-            self.inflight[task.entry_id] = asyncio.create_task(self._execute(task))
-        return not tasks and not self.inflight and not self.deferred and await self._run_over()
+            jobs = await queue.read_new(self.consumer, free, int(block_s * 1000))
+        for job in jobs:
+            self.inflight[job.entry_id] = asyncio.create_task(self._execute(job))
+        return not jobs and not self.inflight and not self.deferred and await self._run_over()
 
-    async def _execute(self, task: Task) -> None:
+    async def _execute(self, job: Job) -> None:
         try:
-            state = await execute(self.handle, task, store=self.store, session=self.session, worker=self.consumer)
+            state = await execute(self.handle, job, store=self.store, session=self.session, worker=self.consumer)
             if state == "deferred":
-                self.deferred.append(task)
+                self.deferred.append(job)
         except asyncio.CancelledError:
             raise
-        except Exception:  # Redis trouble: leave the task unacknowledged; its lease expires and it is redone
-            log.exception("run %s: task %s could not be recorded", self.handle.run_id, task.task_id)
+        except Exception:  # Redis trouble: leave the job unacknowledged; its claim goes stale and it is redone
+            log.exception("run %s: job %s could not be recorded", self.handle.run_id, job.job_id)
         finally:
-            self.inflight.pop(task.entry_id, None)
+            self.inflight.pop(job.entry_id, None)
             self._slot_freed.set()
 
     async def _run_over(self) -> bool:
@@ -194,7 +203,7 @@ class RunLoop:
         return status != "running"
 
     async def stop(self, grace_s: float) -> None:
-        """Stop taking tasks; give in-flight rollouts `grace_s`, then cancel and release them at once."""
+        """Stop taking jobs; give in-flight rollouts `grace_s`, then cancel and release them at once."""
         self.stopping = True
         self._stopped.set()
         if self._reader is not None and self._reader is not asyncio.current_task() and not self._reader.done():
@@ -213,7 +222,7 @@ class RunLoop:
                 # Mark them long idle, so the next XAUTOCLAIM by any worker takes them without waiting.
                 await self.store.redis.xclaim(self.handle.queue.stream, keys.WORKER_GROUP, self.consumer,
                                               min_idle_time=0, message_ids=left, justid=True,
-                                              idle=int(self.lease_s * 1000) * 10)
+                                              idle=int(self.claim_s * 1000) * 10)
 
 
 class WorkerPool:
@@ -295,7 +304,7 @@ class WorkerPool:
             self._tasks.pop(run_id, None)
             if not self._runs:  # idle now: give the rollouts' freed heap back (the next run starts lean)
                 release_free_heap()
-        # New tasks may have reopened the run just as its loops ended: their announcement found this run
+        # New jobs may have reopened the run just as its loops ended: their announcement found this run
         # still served and was ignored, so look again now that it is not.
         with contextlib.suppress(RedisError, OSError):
             if over and not self._closed and (await self.store.run_meta(run_id)).get("status") == "running":

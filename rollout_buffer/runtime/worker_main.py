@@ -14,12 +14,12 @@ import gc
 import logging
 from collections.abc import Callable
 
-from rollout_buffer.redis_client import display_url
-from rollout_buffer.runtime.supervisor import require_redis_url, stop_event
 from rollout_buffer.runtime.worker import WorkerPool
+from rollout_buffer.runtime.worker_env import require_redis_url, stop_event
 from rollout_buffer.settings import Settings
-from rollout_buffer.store import Store
-from rollout_buffer.tasks import discover
+from rollout_buffer.store.redis_client import display_url
+from rollout_buffer.store.store import Store
+from rollout_buffer.tasks.discovery import discover
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from rollout_buffer.chat_format import parse_assistant_text
+from rollout_buffer.tasks.chat_format import parse_assistant_text
 from rollout_buffer.testing.engine.http_server import BadRequest
 from rollout_buffer.testing.engine.output import Result
 from rollout_buffer.testing.engine.policy import stable_seed

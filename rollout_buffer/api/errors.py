@@ -1,0 +1,126 @@
+"""Uniform 4xx answers: every refusal is JSON `{"success": false, "message": ..., "errors": [...]}`
+naming the problem, and the body-size limit is enforced before a large body is read into memory."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rollout_buffer.api.responses import OrjsonResponse
+from rollout_buffer.wire.packing import PackingError
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status_code: int, message: str, errors: list[dict[str, Any]] | None = None,
+                   extra: dict[str, Any] | None = None) -> OrjsonResponse:
+    body: dict[str, Any] = {"success": False, "message": message, **(extra or {})}
+    if errors:
+        body["errors"] = errors
+    return OrjsonResponse(body, status_code=status_code)
+
+
+def _describe(error: dict[str, Any]) -> dict[str, Any]:
+    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    return {"field": ".".join(loc) or "body", "message": msg, "type": error.get("type")}
+
+
+async def _validation_handler(request: Request, exc: RequestValidationError) -> OrjsonResponse:
+    errors = [_describe(e) for e in exc.errors()]
+    if any(e["type"] == "json_invalid" for e in errors):
+        return error_response(400, "malformed JSON body: " + "; ".join(e["message"] for e in errors))
+    if any(e["field"] == "body" and e["type"] in ("model_attributes_type", "model_type") for e in errors):
+        return error_response(400, "request body must be a JSON object (send Content-Type: application/json)")
+    text = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:10])
+    return error_response(422, f"invalid request body: {text}", errors)
+
+
+async def _http_handler(request: Request, exc: StarletteHTTPException) -> OrjsonResponse:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _redis_down_handler(request: Request, exc: Exception) -> OrjsonResponse:
+    """Redis unreachable (restarting, network): the request may or may not have taken effect, so the client
+    retries it; writes (by uid), leased reads (by batch_id) and acks are idempotent."""
+    log.warning("%s %s: redis unavailable: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return error_response(503, f"redis unavailable; retry the request (writes, leased reads and acks are "
+                               f"idempotent): {type(exc).__name__}: {exc}")
+
+
+async def _unstorable_handler(request: Request, exc: Exception) -> OrjsonResponse:
+    """A value JSON allows but the store's packed form does not (integers beyond 64 bits, token ids beyond
+    int32). Records are packed before any Redis call, so nothing was stored."""
+    return error_response(422, f"the request holds a value that cannot be stored: {exc}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(orjson.JSONEncodeError, _unstorable_handler)
+    app.add_exception_handler(PackingError, _unstorable_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
+    for error in (RedisConnectionError, RedisTimeoutError, BusyLoadingError):
+        app.add_exception_handler(error, _redis_down_handler)
+
+
+class BodySizeLimit:
+    """Refuses request bodies over `max_bytes` with 413, by header or by counting streamed bytes."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._refuse(send)
+                return
+        received = 0
+        response_started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge(self.max_bytes)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not response_started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = orjson.dumps({"success": False, "message": f"request body exceeds the limit of {self.max_bytes} bytes "
+                                                          "(set --max-body-mb)"})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(StarletteHTTPException):
+    """Raised from `receive` when the streamed body passes the limit. An HTTPException, so FastAPI's own
+    body parsing (which turns other errors into 400) lets it through and the answer is 413 on every route."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {max_bytes} bytes (set --max-body-mb)")

@@ -1,0 +1,57 @@
+"""Operational routes: health, discovered task modules, Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+
+from rollout_buffer import __version__
+from rollout_buffer.api.errors import error_response
+from rollout_buffer.api.state import state_of
+from rollout_buffer.metrics.prometheus import render
+from rollout_buffer.metrics.snapshot import snapshot_runs
+
+HEALTH_TIMEOUT_S = 2.0
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Any:
+    """200 when Redis answers; 503 while it does not (an embedded redis-server that died is being
+    restarted, or an external one is unreachable)."""
+    state = state_of(request)
+    embedded = state.embedded
+    info = {"version": __version__, "embedded_redis": embedded is not None,
+            "redis_restarts": embedded.restarts if embedded is not None else 0}
+    try:
+        if embedded is not None and not embedded.alive:
+            raise ConnectionError("the embedded redis-server is down; restarting it")
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            await state.store.redis.ping()
+    except (RedisError, OSError, TimeoutError) as exc:
+        return error_response(503, f"redis unavailable: {type(exc).__name__}: {exc}",
+                              extra={"status": "unhealthy", **info})
+    return {"status": "ok", **info}
+
+
+@router.get("/tasks")
+async def tasks(request: Request) -> Any:
+    """Discovered task modules, and the modules that failed to load with their errors."""
+    return state_of(request).registry.describe()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Any:
+    """Prometheus text. Every run's metrics are read from Redis at scrape time (tasks, groups, records,
+    drops, failures, leases, engine calls, tokens, duration histograms, staleness), so any API process
+    answers the same, whichever processes or hosts ran the rollouts; a deleted run's series are gone."""
+    state = state_of(request)
+    runs = await snapshot_runs(state.store)
+    body = render(runs, await state.store.active_run(), __version__, extra=[state.metrics])
+    return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,99 @@
+"""Run routes: start (or find) a run, list runs, inspect one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout_buffer.api.errors import error_response
+from rollout_buffer.api.routes.writes import missing_run_answer
+from rollout_buffer.api.state import state_of
+from rollout_buffer.metrics.failures import failure_summary
+from rollout_buffer.runs import retention
+from rollout_buffer.runs.lifecycle import StartRolloutError, start_run
+from rollout_buffer.runtime.jobqueue import JobQueue
+from rollout_buffer.security.outbound import own_base_url
+from rollout_buffer.store import handover
+from rollout_buffer.wire.schema import StartRolloutRequest
+
+router = APIRouter()
+
+
+@router.post("/start_rollout")
+async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
+    """Start a run (or find the same one already running) and launch its rollouts."""
+    state = state_of(request)
+    if body.task_type == "external" and (not body.input_file or state.registry.get("external") is None):
+        try:  # the agent gateway's run: sessions come from clients (rollout_buffer.api.gateway)
+            run_id, created = await request.app.state.gateway.start_run(body)
+        except StartRolloutError as exc:
+            return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
+        verb = "started" if created else "already exists"
+        return {"message": f"external run {run_id} {verb}", "run_id": run_id, "created": created,
+                "skipped_instance_ids": 0, "skipped_groups": 0}
+    # slime-style modules write back to us (never to the Host header's choice) or to an allowed URL
+    own_url = own_base_url(request.scope.get("server"), str(request.base_url))
+    try:
+        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access,
+                               own_url=own_url)
+        await state.runtime.launch(spec)
+    except StartRolloutError as exc:
+        return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
+    if spec.created and state.settings.retain_runs is not None:  # a new run may push an old one out
+        await retention.apply_retention(state.store, retain_runs=state.settings.retain_runs, run_ttl_s=None)
+    verb = "started" if spec.created else "already exists; resumed"
+    return {"message": f"run {spec.run_id} {verb}", "run_id": spec.run_id, "created": spec.created,
+            "skipped_instance_ids": len(spec.excluded_groups), "skipped_groups": len(spec.excluded_groups)}
+
+
+@router.get("/runs")
+async def runs(request: Request) -> Any:
+    state = state_of(request)
+    return {"runs": await state.store.list_runs(), "active_run": await state.store.active_run()}
+
+
+@router.get("/runs/{run_id}")
+async def run_detail(run_id: str, request: Request) -> Any:
+    """Tasks, groups, drops and failures (by error type, with the first example of each) of one run."""
+    state = state_of(request)
+    meta = await state.store.run_meta(run_id)
+    if not meta or not await state.store.run_exists(run_id):
+        return await missing_run_answer(state, run_id)
+    stats = await state.store.stats(run_id)
+    counts = await handover.group_counts(state.store, run_id)
+    return {
+        "run_id": run_id,
+        "meta": meta,
+        "config": await state.store.run_config(run_id),
+        "tasks": {name: int(stats.get(f"tasks_{name}", 0)) for name in ("queued", "running", "done", "failed")},
+        # enqueueing runs in the background after the start answered: tasks in the stream / planned
+        "enqueue": await JobQueue(state.store.redis, run_id).progress(),
+        "groups": {
+            "pending": counts["pending"],
+            "ready": counts["ready"],
+            "leased": counts["leased"],
+            "leased_batches": counts["leased_batches"],
+            "completed": int(stats.get("groups_completed", 0)),
+            "consumed": int(stats.get("groups_handed", 0)),
+            "filtered": int(stats.get("groups_filtered", 0)),
+            "timed_out_handed": int(stats.get("groups_timed_out_handed", 0)),
+        },
+        "records": {"written": int(stats.get("records_written", 0)),
+                    "duplicates": int(stats.get("duplicate_writes", 0)),
+                    "by_status": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("status:")}},
+        "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
+        "leases": {name: int(stats.get(name, 0)) for name in (
+            "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks",
+            "late_acks_accepted", "lease_renewals", "leases_reclaimed")},
+        "failures": await failure_summary(state.store.redis, run_id, stats),
+        "stats": stats,
+    }
+
+
+@router.delete("/runs/{run_id}")
+async def delete_run(run_id: str, request: Request) -> Any:
+    """Stop the run's rollouts and remove every key it has in Redis."""
+    if not await retention.delete_run(state_of(request).store, run_id):
+        return error_response(404, f"unknown run_id {run_id!r}")
+    return {"success": True, "message": f"run {run_id} deleted", "run_id": run_id}

@@ -1,0 +1,254 @@
+"""The whole Redis key layout, in one place.
+
+Every key of one run carries the hash tag `{run_id}`, so a run's keys live in one Redis Cluster slot, and
+every run key has a fixed name: there are no per-group or per-batch keys. So each Lua script can declare
+every key it touches in KEYS (what a cluster requires), and deleting a run is deleting `run_keys(run_id)`.
+The few global keys (the run index, the active-run pointer, run events, remote rollouts) are only ever
+touched one key per command.
+
+A *group* is the `num_repeat_per_sample` results of one instance in one epoch; its id (`gid`) is the text
+`"{epoch}:{instance_id}"` (instance ids may contain ':'; the epoch never does). Member `k` (1-based, in
+write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unambiguous: `k` is digits).
+
+    rb:runs                     hash   run_id -> run config (JSON)                    global index
+    rb:active_run               string run_id that unqualified writes and reads attach to
+    rb:run_events               stream run ids launched or stopped, so workers anywhere notice (XREAD BLOCK)
+    rb:{R}:meta                 hash   status, created_at, group_size, num_epoch, task_type, superseded_by, ...
+                                       (a deleted run's tombstone: status deleted, superseded_by; see retention)
+    rb:{R}:records              hash   uid -> packed record (see rollout_buffer.wire.packing), until handed over
+    rb:{R}:uids                 set    every uid ever stored in the run (idempotency for the run's life)
+    rb:{R}:gsize                hash   gid -> members written so far
+    rb:{R}:members              hash   "{gid}|{k}" -> uid of the group's k-th member
+    rb:{R}:pending              zset   gid -> time of its first write (incomplete groups; group timeouts)
+    rb:{R}:ready                list   gids in completion order, waiting for a reader
+    rb:{R}:closed               set    gids completed, handed over, dropped or skipped: no more writes
+    rb:{R}:handed               set    gids handed over for good (read without a lease, or acknowledged)
+    rb:{R}:skip                 set    gids the trainer has already trained (resume): never rolled out
+    rb:{R}:leases               zset   batch_id -> lease expiry (unix time) of batches read with a lease
+    rb:{R}:lease_data           hash   batch_id -> JSON {groups, since, num_since_groups, timed_out, ...}
+    rb:{R}:settled              zset   batch_id -> +ack time, or -expiry time (last 10,000; answers retries)
+    rb:{R}:lease_expired        hash   batch_id -> lease JSON of an expired lease (with `settled`: a late ack)
+    rb:{R}:glease               hash   gid -> batch_id of the lease that took the group from the ready list last
+    rb:{R}:stats                hash   cumulative counters (writes, duplicates, drops by reason, ...)
+    rb:{R}:since                hash   counters since the previous read (meta_info's no-filter view)
+    rb:{R}:since_groups         set    gids written to since the previous read (meta_info)
+    rb:{R}:timed_out            list   gids dropped by the group timeout since the previous read
+    rb:{R}:wake                 list   one token per group that became ready, for long-polling readers
+    rb:{R}:tasks                stream rollout tasks; consumer group "workers"
+    rb:{R}:taskstate            hash   task id -> queued | running | done | failed | skipped
+    rb:{R}:samples              hash   instance_id -> input line (JSON), written once by the enqueuer
+    rb:{R}:attempts             hash   task id -> times a worker started it (poison-task cap)
+    rb:{R}:error_examples       hash   error type -> first failed rollout of that type (JSON: message, uid, at)
+    rb:{R}:gversion             hash   gid -> oldest policy version among the group's members (while stored)
+    rb:{R}:ggen                 hash   gid -> generation of a group rolled out again (absent: 0)
+    rb:{R}:gstarted             hash   gid -> generation whose first task started (admission counting)
+    rb:{R}:lines                hash   line index -> instance_id, in file order (runs that extend the stream)
+    rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
+    rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
+    rb:{R}:sessions             hash   session id -> gateway session (JSON: instance, epoch, key digest, metadata)
+    rb:{R}:session_status       hash   session id -> open | finished | failed
+    rb:{R}:session_open         zset   session id -> last activity (unix time) of open sessions (idle timeout)
+    rb:{R}:session_seq          hash   instance_id -> sessions created for it (assigns epochs to groups)
+    rb:{R}:session_nodes        hash   "{sid}|{n}" -> packed turn n of a session; "{sid}|#" -> turns so far
+    rb:{R}:session_index        hash   "{sid}|p|{digest}" -> turn whose history ends so; "{sid}|r|{digest}" -> turn
+                                       that answered that exact request (retries replay it)
+    rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
+    rb:remote:index             zset   remote rollout ids by start time
+    rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
+    rb:remote_owner:{owner_id}  string liveness lease (with TTL) of the API process running remote rollouts
+"""
+
+from __future__ import annotations
+
+PREFIX = "rb"
+RUNS = f"{PREFIX}:runs"
+ACTIVE_RUN = f"{PREFIX}:active_run"
+REMOTE_INDEX = f"{PREFIX}:remote:index"
+RUN_EVENTS = f"{PREFIX}:run_events"
+WORKER_GROUP = "workers"
+
+
+def _tag(run_id: str) -> str:
+    return f"{PREFIX}:{{{run_id}}}"
+
+
+def gid(epoch: int, instance_id: str) -> str:
+    """The id of the group of `instance_id` in `epoch`."""
+    return f"{epoch}:{instance_id}"
+
+
+def parse_gid(group_id: str) -> tuple[int, str]:
+    """(epoch, instance_id) of a group id; raises ValueError when it is not `"{epoch}:{instance_id}"`."""
+    epoch, sep, instance_id = group_id.partition(":")
+    if not sep or not instance_id or not epoch.isdecimal():
+        raise ValueError(f"not a group key '<epoch>:<instance_id>': {group_id!r}")
+    return int(epoch), instance_id
+
+
+def run_meta(run_id: str) -> str:
+    return f"{_tag(run_id)}:meta"
+
+
+def records(run_id: str) -> str:
+    return f"{_tag(run_id)}:records"
+
+
+def uids(run_id: str) -> str:
+    return f"{_tag(run_id)}:uids"
+
+
+def gsize(run_id: str) -> str:
+    return f"{_tag(run_id)}:gsize"
+
+
+def members(run_id: str) -> str:
+    return f"{_tag(run_id)}:members"
+
+
+def pending(run_id: str) -> str:
+    return f"{_tag(run_id)}:pending"
+
+
+def ready(run_id: str) -> str:
+    return f"{_tag(run_id)}:ready"
+
+
+def closed(run_id: str) -> str:
+    return f"{_tag(run_id)}:closed"
+
+
+def handed(run_id: str) -> str:
+    return f"{_tag(run_id)}:handed"
+
+
+def skip(run_id: str) -> str:
+    return f"{_tag(run_id)}:skip"
+
+
+def leases(run_id: str) -> str:
+    return f"{_tag(run_id)}:leases"
+
+
+def lease_data(run_id: str) -> str:
+    return f"{_tag(run_id)}:lease_data"
+
+
+def settled(run_id: str) -> str:
+    return f"{_tag(run_id)}:settled"
+
+
+def stats(run_id: str) -> str:
+    return f"{_tag(run_id)}:stats"
+
+
+def since(run_id: str) -> str:
+    return f"{_tag(run_id)}:since"
+
+
+def since_groups(run_id: str) -> str:
+    return f"{_tag(run_id)}:since_groups"
+
+
+def timed_out(run_id: str) -> str:
+    return f"{_tag(run_id)}:timed_out"
+
+
+def wake(run_id: str) -> str:
+    return f"{_tag(run_id)}:wake"
+
+
+def tasks(run_id: str) -> str:
+    return f"{_tag(run_id)}:tasks"
+
+
+def task_state(run_id: str) -> str:
+    return f"{_tag(run_id)}:taskstate"
+
+
+def samples(run_id: str) -> str:
+    return f"{_tag(run_id)}:samples"
+
+
+def attempts(run_id: str) -> str:
+    return f"{_tag(run_id)}:attempts"
+
+
+def run_keys(run_id: str) -> list[str]:
+    """Every key of one run: what `DELETE /runs/{run_id}` removes."""
+    return [make(run_id) for make in (
+        run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
+        stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
+        group_version, group_generation, group_started, lines, read_log, timeline, expired_leases, group_lease,
+        sessions, session_status, session_open, session_seq, session_nodes, session_index)]
+
+
+def remote(rollout_id: str) -> str:
+    return f"{PREFIX}:remote:{rollout_id}"
+
+
+# Not under `rb:remote:` so that no rollout_id can collide with them.
+REMOTE_OPEN = f"{PREFIX}:remote_open"
+
+
+def remote_owner(owner_id: str) -> str:
+    return f"{PREFIX}:remote_owner:{owner_id}"
+
+
+def expired_leases(run_id: str) -> str:
+    return f"{_tag(run_id)}:lease_expired"
+
+
+def group_lease(run_id: str) -> str:
+    return f"{_tag(run_id)}:glease"
+
+
+def error_examples(run_id: str) -> str:
+    return f"{_tag(run_id)}:error_examples"
+
+
+def group_version(run_id: str) -> str:
+    return f"{_tag(run_id)}:gversion"
+
+
+def group_generation(run_id: str) -> str:
+    return f"{_tag(run_id)}:ggen"
+
+
+def group_started(run_id: str) -> str:
+    return f"{_tag(run_id)}:gstarted"
+
+
+def lines(run_id: str) -> str:
+    return f"{_tag(run_id)}:lines"
+
+
+def read_log(run_id: str) -> str:
+    return f"{_tag(run_id)}:read_log"
+
+
+def timeline(run_id: str) -> str:
+    return f"{_tag(run_id)}:timeline"
+
+
+def sessions(run_id: str) -> str:
+    return f"{_tag(run_id)}:sessions"
+
+
+def session_status(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_status"
+
+
+def session_open(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_open"
+
+
+def session_seq(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_seq"
+
+
+def session_nodes(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_nodes"
+
+
+def session_index(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_index"

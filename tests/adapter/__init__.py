@@ -1,0 +1,1 @@
+"""Tests of the trainer side, `slime_adapter`."""

@@ -1,0 +1,1 @@
+"""Tests of the entry points as a user runs them: the CLI commands, scripts/ and tools/."""

@@ -1,0 +1,119 @@
+"""The dashboard in a real, offline Chromium: a server, a short run against the test engine, the page.
+
+It shows the run with its progress numbers, draws its charts (pixels of the series' colour on the canvas),
+lists failures by type with an example, shows the staleness empty state, refreshes itself (a run started
+while the page is open appears without a reload), shows the run `?run=` names, and asks nothing of the
+outside world.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollout_buffer.testing.engine import run_engine_in_thread
+from tests.support.browser import OfflineBrowser
+from tests.support.helpers import REPO, ServerProcess
+from tests.support.process_tools import wait_for
+from tests.support.runtime_helpers import arithmetic_rows, drain, start_native, wait_status, write_rows
+
+# each chart's first series colour in dashboard.js
+BLUE, GREEN = (52, 102, 194), (47, 158, 98)
+CHARTS = {"throughput": BLUE, "reward": BLUE, "reward_hist": BLUE, "engine_latency": BLUE, "rollout_duration": GREEN}
+COUNT_COLOURED = """([selector, rgb]) => {
+  const canvas = document.querySelector(selector + " canvas");
+  if (!canvas) return -1;
+  const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+  let n = 0;
+  for (let i = 0; i < data.length; i += 4) {
+    if (Math.abs(data[i] - rgb[0]) < 40 && Math.abs(data[i + 1] - rgb[1]) < 40 && Math.abs(data[i + 2] - rgb[2]) < 40
+        && data[i + 3] > 150) n++;
+  }
+  return n;
+}"""
+
+
+def text(visit: Any, selector: str) -> str:
+    return visit.page.locator(selector).first.inner_text().strip()
+
+
+def test_dashboard_shows_a_run_in_an_offline_browser(tmp_path: Path, offline_browser: OfflineBrowser,
+                                                     qwen_tokenizer_path: str) -> None:
+    rows = arithmetic_rows(8)
+    with run_engine_in_thread(template="qwen2.5", seed=5, latency_s=0.05) as engine, \
+            ServerProcess(tmp_path / "data", env={"ROLLOUT_BUFFER_TIMELINE_INTERVAL_S": "0.2"}) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        engine.configure(fail_next=2)
+        run_id = start_native(client, write_rows(tmp_path, rows), engine_url=engine.url,
+                              tokenizer_path=qwen_tokenizer_path, repeats=4, epochs=2, num_process=4,
+                              engine_retries=0)
+        drain(client, run_id, 64, timeout_s=60)
+        wait_status(client, run_id, "finished")
+
+        visit = offline_browser.open(f"{server.url}/?refresh=0.5", wait_for='[data-chart="throughput"] canvas',
+                                     wait_until="load")
+        page = visit.page
+        row = page.locator(f'#runs tr[data-run-id="{run_id}"]')
+        assert row.count() == 1
+        assert row.locator('[data-testid="run-id"]').inner_text() == run_id
+        assert row.locator('[data-testid="tasks-progress"]').inner_text().strip() == "64 / 64"
+        assert "handed 16" in row.locator('[data-testid="groups"]').inner_text()
+        assert row.locator('[data-testid="epochs-cell"]').inner_text().strip() == "2/2 done"
+        assert text(visit, "#run-title") == run_id
+        assert text(visit, '[data-testid="card-tasks-done"] .value') == "62"
+        assert text(visit, '[data-testid="card-tasks-failed"] .value') == "2"
+        assert text(visit, '[data-testid="card-samples-handed"] .value') == "64"
+        assert text(visit, '[data-testid="epoch-1"] .bar-label') == "epoch 2: 32 / 32"
+        failure = page.locator('#failures tr[data-error-type="EngineError"]')
+        assert failure.locator("td").nth(1).inner_text() == "2" and "500" in failure.locator(".example").inner_text()
+
+        for chart, colour in CHARTS.items():
+            assert int(page.get_attribute(f'[data-chart="{chart}"]', "data-points") or 0) > 0, chart
+            assert page.evaluate(COUNT_COLOURED, [f'[data-chart="{chart}"]', colour]) > 30, f"{chart} draws its series"
+        assert page.is_hidden('[data-chart="staleness"]') and page.is_visible('[data-empty="staleness"]'), \
+            "a run without staleness data shows the empty state"
+
+        # it refreshes itself: a run started now appears without a reload
+        updates = int(page.get_attribute("body", "data-updates") or 0)
+        second = start_native(client, write_rows(tmp_path, rows[:2], "second.jsonl"), engine_url=engine.url,
+                              tokenizer_path=qwen_tokenizer_path, repeats=2)
+        page.wait_for_selector(f'#runs tr[data-run-id="{second}"]', timeout=15_000)
+        assert int(page.get_attribute("body", "data-updates") or 0) > updates
+        assert text(visit, "#run-title") == second, "the newly started run is the active one"
+
+        page.goto(f"{server.url}/?run={run_id}&refresh=0", wait_until="load")
+        page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1")
+        assert text(visit, "#run-title") == run_id, "?run= picks the run to show"
+        assert page.is_visible(f'#runs tr[data-run-id="{second}"]')
+        shot = visit.screenshot("dashboard.png")
+        assert shot.parent == tmp_path and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+        assert visit.outside_requests() == []
+        assert visit.page_errors == [] and visit.console_errors == [] and visit.failed_requests == []
+
+
+def test_throughput_without_two_points_shows_the_empty_state(tmp_path: Path, offline_browser: OfflineBrowser) -> None:
+    """A run with one throughput point (the first sample, then an hour to the next) draws no chart, whose
+    lone point would stretch the time axis over years, but the panel's empty note, as the staleness panel."""
+    rows = [{"instance_id": f"p{i}", "prompt": "q"} for i in range(2)]
+    with ServerProcess(tmp_path / "data", "--task-dir", str(REPO / "tests" / "fixtures" / "tasks"),
+                       env={"ROLLOUT_BUFFER_TIMELINE_INTERVAL_S": "3600"}) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        body = {"task_type": "external", "input_file": str(write_rows(tmp_path, rows)), "num_repeat_per_sample": "2",
+                "num_epoch": "1", "num_process": "1"}
+        started = client.post("/start_rollout", json=body)
+        assert started.status_code == 200, started.text
+        wait_for(lambda: len(client.get("/api/dashboard").json()["run"]["throughput"]["t"]) == 1, 15,
+                 "the run's one throughput point")
+        visit = offline_browser.open(f"{server.url}/?refresh=0.5", wait_for="body[data-updates]", wait_until="load")
+        page = visit.page
+        page.wait_for_function("Number(document.body.dataset.updates || 0) >= 2")
+        assert len(client.get("/api/dashboard").json()["run"]["throughput"]["t"]) == 1, "still one point"
+        assert page.is_hidden('[data-chart="throughput"]')
+        assert page.locator('[data-chart="throughput"] canvas').count() == 0
+        assert page.is_visible('[data-empty="throughput"]')
+        assert text(visit, '[data-empty="throughput"]') == "Waiting for the first samples of this run."
+        assert page.is_hidden('[data-chart="staleness"]') and page.is_visible('[data-empty="staleness"]'), \
+            "the same empty state as the staleness panel"
+        assert visit.page_errors == [] and visit.console_errors == [] and visit.outside_requests() == []

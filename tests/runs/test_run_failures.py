@@ -1,0 +1,79 @@
+"""Failed rollouts are loud once, not once per rollout: `GET /runs/{id}` groups them by error type with a
+count and the first example; the worker log has one line per new type and periodic counts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_buffer.metrics.failures import failure_summary
+from rollout_buffer.runtime.failure_log import FailureLog
+from rollout_buffer.store.store import Store
+from tests.support.helpers import ServerProcess
+from tests.support.runtime_helpers import arithmetic_rows, start_native, wait_status, write_rows
+
+
+def failed(i: int, error_type: str, message: str) -> dict[str, Any]:
+    return {"uid": f"run:0:{i}:0", "status": "failed", "extra_info": {"error_type": error_type, "error": message}}
+
+
+async def test_each_type_is_announced_once_then_counted_per_interval(redis_store: Store,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="rollout_buffer.runtime.failure_log")
+    now = [100.0]
+    flog = FailureLog("unit-failures", interval_s=30.0, clock=lambda: now[0])
+    for i in range(50):
+        await flog.note(redis_store.redis, failed(i, "EngineError", f"HTTP 500 from the engine ({i})"))
+        now[0] += 0.1
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "new error type EngineError" in lines[0] and "run:0:0:0" in lines[0] and "(0)" in lines[0]
+    now[0] = 131.0
+    await flog.note(redis_store.redis, failed(50, "InvalidSample", "prompt: missing"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and "new error type InvalidSample" in lines[1]
+    assert "51 rollout(s) failed in the last 31 s: EngineError x50, InvalidSample x1" in lines[2]
+    other_process = FailureLog("unit-failures", clock=lambda: now[0])
+    await other_process.note(redis_store.redis, failed(51, "EngineError", "HTTP 500 again"))
+    assert len(caplog.records) == 3, "a type already announced by any worker is not announced again"
+    stats = {"rollout_errors:EngineError": 51, "rollout_errors:InvalidSample": 1, "tasks_done": 3}
+    summary = await failure_summary(redis_store.redis, "unit-failures", stats)
+    assert summary["total"] == 52 and list(summary["by_type"]) == ["EngineError", "InvalidSample"]
+    assert summary["by_type"]["EngineError"]["count"] == 51
+    assert summary["by_type"]["EngineError"]["example"] == "HTTP 500 from the engine (0)", "the first one is kept"
+    assert summary["first_error"]["type"] == "EngineError" and summary["first_error"]["uid"] == "run:0:0:0"
+    assert (await failure_summary(redis_store.redis, "no-failures", {}))["by_type"] == {}
+    assert FailureLog("any").interval_s == 30.0, "the README's periodic count"
+
+
+@pytest.fixture()
+def failing_engine() -> Iterator[Any]:
+    from rollout_buffer.testing.engine import run_engine_in_thread
+
+    with run_engine_in_thread(template="qwen2.5", seed=3, error_rate=1.0) as engine:
+        yield engine
+
+
+def test_a_run_of_failing_rollouts_shows_why(runtime_server: ServerProcess, failing_engine: Any,
+                                             qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    with httpx.Client(base_url=runtime_server.url, timeout=30) as client:
+        run_id = start_native(client, write_rows(tmp_path, arithmetic_rows(8)), engine_url=failing_engine.url,
+                              tokenizer_path=qwen_tokenizer_path, repeats=4, engine_retries="0")
+        detail = wait_status(client, run_id, "finished", timeout_s=60)
+    assert detail["tasks"]["failed"] == 32
+    failures = detail["failures"]
+    assert failures["total"] == 32 and list(failures["by_type"]) == ["EngineError"]
+    engine_errors = failures["by_type"]["EngineError"]
+    assert engine_errors["count"] == 32 and "500" in engine_errors["example"]
+    assert failures["first_error"]["uid"].startswith(f"{run_id}:")
+    with httpx.Client(base_url=runtime_server.url, timeout=30) as client:
+        meta = client.post("/get_rollout_data", json={"run_id": run_id}).json()["data"]["meta_info"]
+    assert sorted(meta["failed_groups"]) == sorted(meta["finished_groups"]) == sorted(f"q{i}" for i in range(8))
+    log = [line for line in runtime_server.log_path.read_text().splitlines() if run_id in line]
+    assert sum("new error type EngineError" in line for line in log) == 1, log
+    assert len(log) <= 2, f"one line per new type (plus at most a periodic count), not one per rollout: {log}"
