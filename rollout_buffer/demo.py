@@ -4,11 +4,17 @@ It starts the SGLang test engine and, unless `--url` names a running buffer (who
 run), a `rollout-buffer serve` process of its own (embedded Redis in a temp dir); writes a small math JSONL,
 runs the built-in `math` task on it and shows what a trainer would receive from `/get_rollout_data`: whole
 groups, GRPO-normalised rewards, token counts, and one record.
+
+With `--agent`, the same prompts run as an `agent_command` task instead: each rollout runs an agent command
+in its own sandbox against the agent gateway (by default `rollout_buffer.testing.demo_agent`, an OpenAI
+Chat Completions tool loop; `--agent-command` names another, e.g. `"claude -p {prompt} --output-format
+json"`), and the exact-answer verifier scores what it prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -25,6 +31,7 @@ import httpx
 import orjson
 from tqdm import tqdm
 
+import rollout_buffer
 from rollout_buffer.security.auth import token_from_environment
 from rollout_buffer.testing.engine import run_engine_in_thread
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
@@ -82,7 +89,7 @@ def _summary(groups: list[list[dict[str, Any]]], seconds: float) -> str:
     lines = [f"\n{len(groups)} groups, {sum(len(g) for g in groups)} trajectories in {seconds:.1f}s\n",
              f"{'group':<10} {'epoch':>5}  {'raw rewards':<20} {'GRPO rewards':<34} {'prompt/output tokens'}"]
     for group in groups:
-        raw = " ".join(f"{r['raw_reward']:.0f}" for r in group)
+        raw = " ".join(f"{r['reward'] if r.get('raw_reward') is None else r['raw_reward']:.0f}" for r in group)
         normalised = " ".join(f"{r['reward']:+.2f}" for r in group)
         prompt = len(group[0]["turns"][0]["prompt_ids"])
         outputs = ",".join(str(sum(len(t["output_ids"]) for t in r["turns"])) for r in group)
@@ -122,14 +129,27 @@ def _check_reachable(url: str) -> str | None:
     return None
 
 
+def agent_options(command: str | None) -> dict[str, Any]:
+    """The `agent` run options of `--agent`: the demo agent (with this package importable), or `command`."""
+    if command:
+        return {"command": command, "api": "both", "timeout_s": 300, "verifier": {"type": "exact_answer"},
+                "env": {"PATH": os.environ.get("PATH", os.defpath), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
+                "files": {"~/.claude/settings.json": {"permissions": {"allow": ["Bash"]}}}}
+    package_root = str(Path(rollout_buffer.__file__).resolve().parent.parent)
+    return {"command": [sys.executable, "-m", "rollout_buffer.testing.demo_agent", "{prompt}"], "api": "openai",
+            "env": {"PYTHONPATH": package_root}, "timeout_s": 60, "verifier": {"type": "exact_answer"}}
+
+
 def roll_out(url: str, engine_url: str, input_file: Path, tokenizer_path: str, prompts: int, repeats: int,
-             timeout_s: float) -> int:
+             timeout_s: float, agent: dict[str, Any] | None = None) -> int:
     """Start a run of its own (a fresh run id, so a second demo on the same server starts anew), collect every
     group as a trainer would, and print them."""
     body = {"task_type": "math", "input_file": str(input_file), "num_repeat_per_sample": repeats,
             "num_epoch": 1, "num_process": 64, "remote_engine_url": engine_url, "tokenizer_path": tokenizer_path,
             "run_id": f"demo-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:6]}",
             "sampling_params": {"max_tokens": 256, "temperature": 1.0}}
+    if agent is not None:  # each rollout runs the agent command against its own gateway session
+        body.update(task_type="agent_command", agent=agent, remote_buffer_url=url, num_process=16)
     with httpx.Client(base_url=url, timeout=60, headers=auth_headers()) as client:
         started = time.monotonic()
         answer = client.post("/start_rollout", json=body)
@@ -170,7 +190,7 @@ def roll_out(url: str, engine_url: str, input_file: Path, tokenizer_path: str, p
 
 
 def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, workdir: Path,
-             url: str | None = None) -> int:
+             url: str | None = None, agent: dict[str, Any] | None = None) -> int:
     """Against the buffer at `url`, or (None) against one the demo starts and stops itself."""
     if url is not None:
         problem = _check_reachable(url)
@@ -189,7 +209,7 @@ def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, wor
             tokenizer_path = "test:qwen2.5"  # the server's own copy of the test tokenizer
             print(f"the demo runs against the buffer at {url} (prompts in {input_file})")
         print(f"test engine at {engine.url}, buffer at {url}")
-        return roll_out(url, engine.url, input_file, tokenizer_path, prompts, repeats, timeout_s)
+        return roll_out(url, engine.url, input_file, tokenizer_path, prompts, repeats, timeout_s, agent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,17 +223,22 @@ def main(argv: list[str] | None = None) -> int:
                                       "dashboard then shows the run); its prompts file is written under "
                                       f"./{_LOCAL_DIR}, inside the server's default input root when run "
                                       "from the folder the server started in (default: a buffer of its own)")
+    parser.add_argument("--agent", action="store_true", help="run an agent command per rollout (agent_command task)")
+    parser.add_argument("--agent-command", default=None,
+                        help="the agent's command template (implies --agent), "
+                             "e.g. 'claude -p {prompt} --output-format json'")
     args = parser.parse_args(argv)
+    agent = agent_options(args.agent_command) if args.agent or args.agent_command else None
     url = args.url.rstrip("/") if args.url else None
     if url is not None:
         workdir = Path(_LOCAL_DIR)
         workdir.mkdir(exist_ok=True)
-        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, workdir.resolve(), url)
+        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, workdir.resolve(), url, agent)
     if args.keep:
         return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s,
-                        Path(tempfile.mkdtemp(prefix="rb-demo-")))
+                        Path(tempfile.mkdtemp(prefix="rb-demo-")), agent=agent)
     with tempfile.TemporaryDirectory(prefix="rb-demo-") as tmp:
-        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, Path(tmp))
+        return run_demo(args.prompts, args.repeats, args.latency_s, args.timeout_s, Path(tmp), agent=agent)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "security": set(),
     "wire": set(),
     "tasks": {"wire"},
+    "agents": {"tasks", "wire"},
     "store": {"wire"},
     "metrics": {"store", "wire"},
     "runs": {"metrics", "store", "tasks", "wire", "security"},

@@ -147,6 +147,12 @@ def check_input_lines(request: StartRolloutRequest, task: TaskModule) -> None:
         keys = InputKeys.from_options(request.model_extra or {})
     except InputKeyError as exc:
         raise StartRolloutError(exc.field, str(exc)) from exc
+    check_run = task.hook("validate_run")
+    if check_run is not None:  # the task's own run options (e.g. agent_command's `agent`)
+        try:
+            check_run(dict(request.model_extra or {}))
+        except InvalidSample as exc:
+            raise StartRolloutError(exc.field, exc.reason) from exc
     validate = task.validate_sample
     if task.kind != "native" and validate is None:
         return

@@ -32,6 +32,9 @@ stored, and refuses the run with a 4xx naming the line number, the file's key an
 those are checked when their rollout runs; one that fails becomes a `failed` record with
 `error_type="InvalidSample"`.
 
+Optional: `validate_run(options: dict) -> None`, given the `/start_rollout` body's extra fields; raise
+`InvalidSample(field, reason)` to refuse the run with a 4xx naming the field (the task's own run options).
+
 What the runtime does for a native module (`rollout_buffer.runtime`):
 
 * One task per (epoch, input line, repeat), enqueued up front on the run's Redis stream. The record's

@@ -1,4 +1,4 @@
-"""Task discovery: `*_generator.py` modules in the built-in folder and in every `--task-dir`.
+"""Task discovery: `*_generator.py` modules in the built-in folders and in every `--task-dir`.
 
 A module that fails to import is kept as an error entry (reported at start-up and by `GET /tasks`), not
 fatal: one broken task must not take the other tasks down. Two modules claiming one `TASK_TYPE` is fatal,
@@ -21,7 +21,10 @@ from rollout_buffer.tasks import groups
 
 log = logging.getLogger(__name__)
 BUILTIN_DIR = Path(__file__).parent / "builtin"
-HOOKS = ("is_valid_group", "transform_group", "get_group_data_meta_info", "validate_sample")
+# Built-in task folders: `builtin/`, and the agent_command task's own folder (found by path, not imported by
+# this module: the agents package sits above the task contract it implements)
+BUILTIN_DIRS = (BUILTIN_DIR, Path(__file__).parent.parent / "agents")
+HOOKS = ("is_valid_group", "transform_group", "get_group_data_meta_info", "validate_sample", "validate_run")
 
 
 class TaskRegistryError(RuntimeError):
@@ -106,7 +109,7 @@ def _import_file(path: Path) -> ModuleType:
 def discover(task_dirs: list[Path] | tuple[Path, ...] = ()) -> TaskRegistry:
     """Import every `*_generator.py`; raises TaskRegistryError when two claim one TASK_TYPE."""
     registry = TaskRegistry()
-    for folder in [BUILTIN_DIR, *task_dirs]:
+    for folder in [*BUILTIN_DIRS, *task_dirs]:
         folder = Path(folder)
         if not folder.is_dir():
             registry.errors[str(folder)] = "task directory does not exist"

@@ -22,6 +22,9 @@ async def messages(request: Request) -> Any:
     try:
         opened = await open_session(request)
         body = wire_anthropic.read_request(json_object(raw))
+        if body.ignored:
+            await opened.gateway.store.incr_stats(opened.session.run_id,
+                                                  {f"gateway_ignored_fields:{name}": 1 for name in body.ignored})
         answer = await answer_turn(opened, body.messages, body.tools, body.params)
     except GatewayError as exc:
         return error_response("anthropic", exc)

@@ -22,6 +22,13 @@ class MessagesRequest:
     tools: list[dict[str, Any]] | None
     params: dict[str, Any]
     stream: bool
+    ignored: list[str]
+
+
+# Fields the gateway reads; anything else a client sends (Claude Code's `thinking`, `context_management`,
+# `output_config`, `metadata`, ...) is accepted, ignored and counted (`gateway_ignored_fields:<name>`).
+READ_FIELDS = frozenset({"model", "messages", "system", "max_tokens", "tools", "tool_choice", "temperature", "top_p",
+                         "top_k", "stop_sequences", "stream"})
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -121,9 +128,11 @@ def read_request(body: dict[str, Any]) -> MessagesRequest:
     messages = _system(body.get("system"))
     for i, item in enumerate(raw):
         where = f"messages.{i}"
-        if not isinstance(item, dict) or item.get("role") not in ("user", "assistant"):
-            raise GatewayError(400, f"{where}.role must be 'user' or 'assistant'", f"{where}.role")
-        if item["role"] == "user":
+        if not isinstance(item, dict) or item.get("role") not in ("user", "assistant", "system"):
+            raise GatewayError(400, f"{where}.role must be 'user', 'assistant' or 'system'", f"{where}.role")
+        if item["role"] == "system":  # a mid-conversation system message (Claude Code sends them)
+            messages.append({"role": "system", "content": text_of(item.get("content"), f"{where}.content")})
+        elif item["role"] == "user":
             messages.extend(_user(item.get("content"), where))
         else:
             messages.append(_assistant(item.get("content"), where))
@@ -138,7 +147,8 @@ def read_request(body: dict[str, Any]) -> MessagesRequest:
               "top_p": opt_number(body, "top_p", 0.0, 1.0), "top_k": opt_int(body, "top_k"),
               "stop": stop_list(body.get("stop_sequences"), "stop_sequences")}
     return MessagesRequest(model=model, messages=messages, tools=tools,
-                           params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"))
+                           params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
+                           ignored=sorted(set(body) - READ_FIELDS))
 
 
 def stop_reason(answer: TurnAnswer) -> str:

@@ -1,7 +1,7 @@
 """The scripted answers: what the test engine's "model" says to a rendered prompt.
 
 It finds the last arithmetic question of the last user turn, calls the calculator tool when the prompt
-offers one, answers in `\\boxed{}` from a tool result when one came back, and otherwise answers directly,
+offers one (else a `Bash` tool, Claude Code's shell, with `echo $(( expr ))`), answers in `\\boxed{}` from a tool result when one came back, and otherwise answers directly,
 right with probability `p_correct`. Plain text in, plain text out: the token-level policy (noise tokens,
 think blocks, logprobs) wraps it.
 """
@@ -26,6 +26,7 @@ _TOOL_RESULT_RES = (
     re.compile(r"<｜tool▁output▁begin｜>(.*?)<｜tool▁output▁end｜>", re.DOTALL),
 )
 _CALCULATOR_RE = re.compile(r'"name"\s*:\s*"calculator"')
+_BASH_RE = re.compile(r'"name"\s*:\s*"Bash"')  # Claude Code's shell tool
 _EXPR_RE = re.compile(r"[\d(][\d\s.+\-*/()]*[\d)]")
 _HAS_OP_RE = re.compile(r"\d\s*\)*\s*[-+*/]\s*\(*\s*\d")
 _OPS: dict[type, Callable[..., Any]] = {
@@ -111,6 +112,9 @@ def default_responder(prompt_text: str, rng: random.Random, p_correct: float = 0
         return f"The answer is \\boxed{{{format_number(value)}}}"
     if _CALCULATOR_RE.search(prompt_text):
         call = {"name": "calculator", "arguments": {"expression": expr}}
+        return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
+    if _BASH_RE.search(prompt_text):  # an agent with a shell (Claude Code): compute it there
+        call = {"name": "Bash", "arguments": {"command": f"echo $(( {expr} ))", "description": "Compute the value"}}
         return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
     if rng.random() >= p_correct:
         value = value + rng.choice([-3, -2, -1, 1, 2, 3, 10])

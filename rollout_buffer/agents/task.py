@@ -1,0 +1,212 @@
+"""The `agent_command` rollout: run an unmodified agent command on one problem in a fresh sandbox, score
+it with the run's verifier, and hand the session's token-exact turns to the record.
+
+Each rollout: open its gateway session (`ctx.session()`), open a sandbox, write the run's files (an agent's
+config) and the line's files, run the setup, run the agent command with the session's variables, run the
+verifier, clean the sandbox up (always, also on cancel and at the runtime's deadline). The record carries
+the reward, and in `extra_info["agent"]` the agent's exit status, duration and bounded stdout/stderr tails.
+Failures are records with `status="failed"` and an `error_type`, counted per type in `GET /runs/{id}` and
+`/metrics` like any task's: `agent_timeout`, `agent_exit` (non-zero exit), `setup_failed`,
+`verifier_error`. An infrastructure failure (`SandboxError`: the sandbox could not be made or a command
+could not be started) is retried once with a new sandbox; an agent's own failure never is.
+
+A task module reuses this with its own steps: `rollout = make_rollout(prepare=..., command=..., verify=...)`
+(see `make_rollout`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from rollout_buffer.agents.config import AgentConfig, AgentConfigError, fill, parse
+from rollout_buffer.agents.sandbox import Sandbox, SandboxError, open_sandbox
+from rollout_buffer.agents.verifiers import AgentResult, VerifierError, as_verifier, final_text, run_verifier
+from rollout_buffer.tasks.contract import InvalidSample, RolloutContext
+
+TASK_TYPE = "agent_command"
+Prepare = Callable[[Sandbox, dict[str, Any], dict[str, str], AgentConfig], Awaitable[None]]
+Command = Callable[[dict[str, Any], dict[str, str], AgentConfig], list[str]]
+_configs: dict[str, AgentConfig] = {}
+_slots: dict[str, asyncio.Semaphore] = {}
+
+
+class StepFailed(Exception):
+    """A rollout step failed in a way that is the task's or the agent's, not the infrastructure's."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+def config_of(options: dict[str, Any]) -> AgentConfig:
+    key = json.dumps(options.get("agent"), sort_keys=True, default=str)
+    if key not in _configs:
+        _configs[key] = parse(options)
+    return _configs[key]
+
+
+def validate_run(options: dict[str, Any]) -> None:
+    """Refuse a run whose `agent` options are wrong (at /start_rollout, before anything is stored)."""
+    parse(options)
+
+
+def validate_sample(sample: dict[str, Any]) -> None:
+    prompt_text(sample)
+    files = sample.get("files")
+    if files is not None and (not isinstance(files, dict)
+                              or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
+        raise InvalidSample("files", "must be an object of path: text")
+    if sample.get("setup") is not None and not isinstance(sample["setup"], str):
+        raise InvalidSample("setup", "must be a shell command line")
+
+
+def prompt_text(sample: dict[str, Any]) -> str:
+    """The problem as the agent's prompt: the text, or the last user message's text."""
+    prompt = sample.get("prompt")
+    if isinstance(prompt, str) and prompt.strip():
+        return prompt
+    if isinstance(prompt, list):
+        for message in reversed(prompt):
+            if isinstance(message, dict) and message.get("role") == "user" and isinstance(message.get("content"), str):
+                return message["content"]
+    raise InvalidSample("prompt", "must be a non-empty text (or chat messages ending in a user message)")
+
+
+async def default_prepare(sandbox: Sandbox, sample: dict[str, Any], values: dict[str, str],
+                          config: AgentConfig) -> None:
+    """The run's files (templates filled), the line's files, then the line's or the run's setup command."""
+    for path, template in config.files.items():
+        await sandbox.write_file(fill(path, values), fill(template, values))
+    for path, text in (sample.get("files") or {}).items():
+        await sandbox.write_file(path, text)
+    setup = sample.get("setup") or config.setup
+    if setup:
+        run = await sandbox.exec(["bash", "-c", setup], timeout_s=config.setup_timeout_s)
+        if not run.ok:
+            raise StepFailed("setup_failed", f"setup exited {run.exit_code} (timed out: {run.timed_out}); "
+                                             f"stderr tail: {run.stderr[-1000:]}")
+
+
+def default_command(sample: dict[str, Any], values: dict[str, str], config: AgentConfig) -> list[str]:
+    return config.argv(values)
+
+
+def make_rollout(*, prepare: Prepare | None = None, command: Command | None = None,
+                 verify: Callable[..., Any] | None = None) -> Callable[[dict[str, Any], RolloutContext], Any]:
+    """An agent_command `rollout(sample, ctx)` with any step replaced: `prepare(sandbox, sample, values,
+    config)` (async), `command(sample, values, config) -> argv`, `verify(sandbox, sample, agent_result) ->
+    float | dict` (sync or async; replaces the run's verifier)."""
+    steps = {"prepare": prepare or default_prepare, "command": command or default_command,
+             "verify": as_verifier(verify) if verify is not None else None}
+
+    async def rollout(sample: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
+        try:
+            config = config_of(ctx.extra.get("options") or {})
+        except AgentConfigError as exc:
+            return _failed(sample, "agent_config", f"{exc.field}: {exc.reason}", {})
+        slot = _slot(ctx.run_id, config.max_concurrent_agents)
+        async with slot:
+            return await _run(sample, ctx, config, steps)
+
+    return rollout
+
+
+def _slot(run_id: str, limit: int | None) -> Any:
+    if limit is None:
+        return _Unbounded()
+    if run_id not in _slots:
+        _slots[run_id] = asyncio.Semaphore(limit)
+    return _slots[run_id]
+
+
+class _Unbounded:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+
+async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
+               steps: dict[str, Any]) -> dict[str, Any]:
+    started = time.monotonic()
+    session = await ctx.session()
+    prompt = prompt_text(sample)
+    info: dict[str, Any] = {"session_id": session["session_id"]}
+    for attempt in (1, 2):
+        sandbox: Sandbox | None = None
+        try:
+            sandbox = await open_sandbox(config.backend, name=f"{ctx.run_id}-{sample['instance_id']}",
+                                         limits=config.limits, options=config.sandbox_options)
+            workdir, home = _places(sandbox)
+            values = {"prompt": prompt, "instance_id": str(sample["instance_id"]), "session_id": session["session_id"],
+                      "api_key": session["api_key"], "openai_base_url": session["openai_base_url"],
+                      "anthropic_base_url": session["anthropic_base_url"], "workdir": workdir, "home": home}
+            await steps["prepare"](sandbox, sample, values, config)
+            argv = steps["command"](sample, values, config)
+            run = await sandbox.exec(argv, timeout_s=config.timeout_s, env=config.environment(values))
+            agent = AgentResult(exit_code=run.exit_code, stdout=run.stdout, stderr=run.stderr, timed_out=run.timed_out,
+                                duration_s=run.duration_s, final_text=final_text(run.stdout), extra=run.extra)
+            info["agent"] = _agent_info(agent, run.output_bytes, config.output_tail_chars)
+            if agent.timed_out:
+                raise StepFailed("agent_timeout", f"the agent ran past its {config.timeout_s:g}s budget and was "
+                                                  f"killed with its process tree{_tails(agent)}")
+            if agent.exit_code != 0:
+                raise StepFailed("agent_exit", f"the agent exited {agent.exit_code}{_tails(agent)}")
+            try:
+                verdict = await run_verifier(steps["verify"] or config.verifier, sandbox, sample, agent)
+            except VerifierError as exc:
+                raise StepFailed("verifier_error", str(exc)) from exc
+        except SandboxError as exc:
+            if attempt == 2:
+                raise
+            info["infra_retries"] = 1
+            ctx.logger.warning("sandbox failure, retrying once with a new sandbox: %s", exc)
+            continue
+        except StepFailed as exc:
+            info["duration_s"] = round(time.monotonic() - started, 3)
+            return _failed(sample, exc.error_type, str(exc), info, final=info.get("agent", {}).get("final_text", ""))
+        finally:
+            if sandbox is not None:
+                await sandbox.cleanup()
+        info["verifier"] = {k: v for k, v in verdict.items() if k != "reward"}
+        info["duration_s"] = round(time.monotonic() - started, 3)
+        return {"messages": _messages(prompt, agent.final_text), "reward": verdict["reward"], "extra_info": info}
+    raise AssertionError("unreachable")
+
+
+def _places(sandbox: Sandbox) -> tuple[str, str]:
+    work, home = getattr(sandbox, "work", ""), getattr(sandbox, "home", "")
+    return str(work), str(home)
+
+
+def _agent_info(agent: AgentResult, output_bytes: int, tail: int) -> dict[str, Any]:
+    return {"exit_code": agent.exit_code, "timed_out": agent.timed_out, "duration_s": agent.duration_s,
+            "output_bytes": output_bytes, "stdout_tail": agent.stdout[-tail:] if tail else "",
+            "stderr_tail": agent.stderr[-tail:] if tail else "", "final_text": agent.final_text[-tail:] if tail else "",
+            **agent.extra}
+
+
+def _tails(agent: AgentResult) -> str:
+    return f"; stdout tail: {agent.stdout[-600:]!r}; stderr tail: {agent.stderr[-600:]!r}"
+
+
+def _messages(prompt: str, answer: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+def _failed(sample: dict[str, Any], error_type: str, message: str, info: dict[str, Any],
+            final: str = "") -> dict[str, Any]:
+    try:
+        prompt = prompt_text(sample)
+    except InvalidSample:
+        prompt = ""
+    return {"messages": _messages(prompt, final), "reward": 0.0, "status": "failed",
+            "extra_info": {**info, "error": message, "error_type": error_type}}
+
+
+rollout = make_rollout()
