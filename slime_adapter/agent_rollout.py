@@ -53,11 +53,13 @@ from slime_adapter.buffer_client import (
     start_rollout,
 )
 from slime_adapter.build import BuildStats, build_group_samples
+from slime_adapter.dynamic_filter import DropCounts, judge, load_filter, should_drop
 from slime_adapter.evaluation import evaluate
 from slime_adapter.metrics import log_raw_info
 from slime_adapter.outputs import slime_outputs_available, train_output
 from slime_adapter.run_health import RunFailedError, RunHealth, raise_if_exhausted
 from slime_adapter.settings import AgentRolloutSettings
+from slime_adapter.surplus import HeldGroup, Surplus
 from slime_adapter.tokenizers import get_tokenizer
 
 __all__ = [
@@ -117,8 +119,10 @@ class AgentRolloutState:
     run_id: str | None = None
     start_answer: dict[str, Any] | None = None
     next_group_index: int = 0
+    next_rollout_id: int = 0  # Sample.rollout_id: one per record, shared by its forks
     pending_acks: list[str] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)
+    surplus: Surplus = field(default_factory=Surplus)  # over-sampled groups held for the next step
 
 
 _STATE = AgentRolloutState()
@@ -167,6 +171,23 @@ def split_groups(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]
     return list(groups.values())
 
 
+def group_keys(groups: list[list[dict[str, Any]]], meta: dict[str, Any]) -> list[str | None]:
+    """Each group's key ("<epoch>:<instance_id>") from the read's `finished_groups` / `finished_group_keys`
+    (in hand-over order), matched by instance id and, when the records say it, epoch."""
+    pairs = list(zip((str(i) for i in meta.get("finished_groups") or []),
+                     (str(k) for k in meta.get("finished_group_keys") or [])))
+    used: set[int] = set()
+    keys: list[str | None] = []
+    for group in groups:
+        instance_id, epoch = str(group[0]["instance_id"]), group[0].get("epoch")
+        found = next((i for i, (iid, key) in enumerate(pairs) if i not in used and iid == instance_id
+                      and (epoch is None or key.startswith(f"{epoch}:"))), None)
+        if found is not None:
+            used.add(found)
+        keys.append(pairs[found][1] if found is not None else None)
+    return keys
+
+
 def _buffered_groups(data_buffer: Any) -> int:
     """Groups already waiting in slime's buffer (surplus of an earlier step); 0 if it cannot say."""
     length = getattr(data_buffer, "get_buffer_length", None)
@@ -181,14 +202,19 @@ class _Step:
     state: AgentRolloutState
     data_buffer: Any
     rollout_id: int
+    args: Any = None
+    need: int = 0  # groups this step puts into the data buffer
     metas: list[dict[str, Any]] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # group keys "<epoch>:<instance_id>"
     finished_ids: list[str] = field(default_factory=list)  # from a buffer that names no keys (slime's own)
     stats: BuildStats = field(default_factory=BuildStats)
     groups_added: int = 0
     size_mismatches: int = 0
+    drops: DropCounts = field(default_factory=DropCounts)
+    dynamic_filter: Any = None
 
     def __post_init__(self) -> None:
+        self.dynamic_filter = load_filter(self.settings.dynamic_filter_path)
         earlier = (self.data_buffer.get_metadata() or {}).get(self._key)
         if isinstance(earlier, dict):  # this step was interrupted and is being retried: keep what it consumed
             self.finished = [str(k) for k in earlier.get("groups") or []]
@@ -209,7 +235,15 @@ class _Step:
         samples, stats = build_group_samples(records, self._tokenizer, self.settings.loss_mask_type,
                                              group_index=group_index, fork_policy=self.settings.fork_policy,
                                              verify=self.settings.loss_mask_verify,
-                                             mask_offpolicy=self.settings.mask_offpolicy)
+                                             mask_offpolicy=self.settings.mask_offpolicy,
+                                             first_rollout_id=self.state.next_rollout_id,
+                                             moe_shape=self.settings.moe_shape)
+        self.state.next_rollout_id += len(records)
+        if self.settings.partial_rollout:  # slime marks samples continued across a weight update
+            for sample in samples:
+                seen = sample.metadata.get("policy_versions_seen") or []
+                if len(seen) > 1:
+                    sample.metadata.setdefault("start_rollout_id", min(seen))
         has_raw = {r["uid"]: r.get("raw_reward") is not None for r in records}
         for sample in samples:
             if self.settings.reward_field(has_raw[sample.metadata["uid"]]) == "raw_reward":
@@ -225,35 +259,68 @@ class _Step:
                         self.settings.fork_policy)
         return samples
 
-    def accept(self, records: list[dict[str, Any]], meta: dict[str, Any]) -> int:
-        """Build and store one read's groups; returns how many groups went into the data buffer.
+    def accept(self, records: list[dict[str, Any]], meta: dict[str, Any], batch_id: str | None = None) -> int:
+        """Build one read's groups, run slime's dynamic filter on each, hold the kept ones and hand over
+        what the step still needs (`hand_over`); returns how many groups went into the data buffer.
 
-        Everything the read consumed is recorded in the metadata before any error propagates, and every
-        group built before a failing one is already in the data buffer.
+        A group's key is in the metadata once it is in the data buffer or dropped (filtered by the buffer
+        or the dynamic filter, or failing to build): the checkpoint then says it was consumed. A group held
+        for the next step is not, and keeps its batch unacknowledged (`slime_adapter.surplus`).
         """
         if meta:
             self.metas.append(meta)
-        if "finished_group_keys" in meta:
-            self.finished.extend(str(k) for k in meta["finished_group_keys"])
+        groups = split_groups(records)
+        first_new = len(self.finished)
+        keyed = "finished_group_keys" in meta
+        keys = group_keys(groups, meta) if keyed else [None] * len(groups)
+        if keyed:  # groups the buffer filtered: consumed now
+            in_data = set(keys)
+            self.finished.extend(str(k) for k in meta["finished_group_keys"] if str(k) not in in_data)
         else:  # slime's form: one instance id per group (see buffer_client.resume_keys_from_metadata)
             self.finished_ids.extend(str(i) for i in meta.get("finished_groups") or [])
-        built: list[list[Any]] = []
+        before = self.groups_added
         try:
-            for group in split_groups(records):
+            for index, (group, key) in enumerate(zip(groups, keys)):
                 try:
-                    built.append(self._build(group))
+                    samples = self._build(group)
                 except Exception as exc:
+                    self.finished.extend(k for k in keys[index:] if k is not None)  # consumed, as before
                     raise SampleBuildError(f"cannot build samples for the group of instance "
                                            f"{group[0]['instance_id']}: {type(exc).__name__}: {exc}", group) from exc
+                verdict = judge(self.dynamic_filter, self.args, samples)
+                candidates = self.groups_added + len(self.state.surplus) + len(groups) - index
+                if should_drop(verdict, candidates=candidates, target=self.need):
+                    self.drops.note(verdict.reason)
+                    if key is not None:
+                        self.finished.append(key)
+                    continue
+                self.state.surplus.hold(HeldGroup(samples, key, batch_id if keyed else None))
         finally:
-            record: dict[str, list[str]] = {"groups": list(self.finished)}
-            if self.finished_ids:
-                record["instance_ids"] = list(self.finished_ids)
-            self.data_buffer.update_metadata({self._key: record})
-            if built:
-                self.data_buffer.add_samples(built)
-                self.groups_added += len(built)
-        return len(built)
+            order = {str(k): i for i, k in enumerate(meta.get("finished_group_keys") or [])}
+            self.hand_over(order=order, since=first_new)
+        return self.groups_added - before
+
+    def hand_over(self, record_always: bool = True, order: dict[str, int] | None = None, since: int = 0) -> None:
+        """Move held groups into the data buffer up to the step's need; record what was consumed (after a
+        read always, else only when a group was taken). Keys recorded from `since` on are put in the
+        read's hand-over `order` (groups held from earlier reads first)."""
+        taken = self.state.surplus.take(self.need - self.groups_added)
+        # a buffer that names no keys (slime's own) counted its groups consumed when it handed them over:
+        # its surplus waits in slime's data buffer, as slime's own client leaves it
+        taken += self.state.surplus.take_unkeyed()
+        if not taken and not record_always:
+            return
+        self.finished.extend(g.key for g in taken if g.key is not None)
+        if order:
+            self.finished[since:] = sorted(self.finished[since:], key=lambda k: order.get(k, -1))
+        record: dict[str, list[str]] = {"groups": list(self.finished)}
+        if self.finished_ids:
+            record["instance_ids"] = list(self.finished_ids)
+        self.data_buffer.update_metadata({self._key: record})
+        if taken:
+            self.data_buffer.add_samples([g.samples for g in taken])
+            self.groups_added += len(taken)
+        self.state.pending_acks.extend(b for b in self.state.surplus.settled() if b not in self.state.pending_acks)
 
 
 # the buffer's answer when `num` cannot hold the next ready group (rollout_buffer.runs.reads)
@@ -329,7 +396,7 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
     batch_id = _new_batch_id()
     while step.groups_added < need_groups:
         remaining = need_groups - step.groups_added
-        num = remaining * settings.n_samples_per_prompt
+        num = max(remaining, settings.over_sampling_batch_size or 0) * settings.n_samples_per_prompt
         enough = step.groups_added >= min_groups
         began = time.monotonic()
         error: BaseException | None = None
@@ -343,6 +410,7 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
         except RunSuperseded as exc:
             log.warning("rollout %d: %s; reading %s from now on", step.rollout_id, exc, exc.successor)
             state.run_id, state.pending_acks, batch_id = exc.successor, [], _new_batch_id()
+            state.surplus.clear()  # its leases went with the old run; the successor hands its groups over again
             continue
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             error, records, meta = exc, [], {}
@@ -351,11 +419,12 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
             _check_acks(meta)
         if records or meta.get("finished_groups"):
             failures = 0
+            read_batch = str(meta["batch_id"]) if meta.get("batch_id") else None
+            if read_batch:  # a buffer without leases (slime's own) hands over at once
+                state.surplus.note_read(read_batch)
             try:
-                step.accept(records, meta)
-            finally:  # its keys are in the metadata even when building failed: the batch is consumed
-                if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
-                    state.pending_acks.append(str(meta["batch_id"]))
+                step.accept(records, meta, read_batch)
+            finally:  # acknowledged once none of its groups is held (step.hand_over)
                 batch_id = _new_batch_id()
             state.health.observe(meta)
             await state.health.check(settings.buffer_url, state.run_id, settings.max_failed_groups, where)
@@ -400,8 +469,10 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
     need = settings.rollout_batch_size - buffered
     metrics: dict[str, Any] | None = None
     if need > 0:
-        step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id)
+        step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id, args=args,
+                     need=need)
         try:
+            step.hand_over(record_always=False)  # groups held from the previous step's over-sampling come first
             await _collect(step, need, max(0, settings.min_groups_per_step - buffered))
         finally:
             await _flush_acks(settings, state)
@@ -410,7 +481,8 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
             "rollout/fork_dropped_pieces": step.stats.fork_dropped_pieces,
             "rollout/fork_dropped_tokens": step.stats.fork_dropped_tokens,
             "rollout/fork_dropped_generated_tokens": step.stats.fork_dropped_generated_tokens,
-        }, to_wandb=not slime_outputs_available())
+            "rollout/over_sampling_held_groups": len(state.surplus),
+        }, to_wandb=not slime_outputs_available(), filter_drops=step.drops.metrics())
     return train_output(data_buffer.get_samples(settings.rollout_batch_size), metrics)
 
 

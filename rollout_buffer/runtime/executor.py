@@ -175,8 +175,10 @@ async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session
                 raise
             raise RolloutTimeout(f"rollout did not finish within {limit:g}s") from exc
         last_finish = client.turns[-1]["finish_reason"] if client.turns else None
+        duration = time.monotonic() - started
         return success_record(result, turns=client.turns, tools=_tools_of(client, handle), last_finish=last_finish,
-                              duration_s=time.monotonic() - started, policy_version=version(), **common)
+                              duration_s=duration, policy_version=version(),
+                              non_generation_time=max(0.0, duration - getattr(client, "engine_s", 0.0)), **common)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - any task failure becomes a failure record
