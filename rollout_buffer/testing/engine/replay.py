@@ -5,8 +5,9 @@
 - `spec_verify_ct`, `spec_accept_token_num`, `spec_draft_token_num` when `spec_draft_tokens` > 0
   (speculative decoding; counts derived from the output length);
 - `routed_experts` (base64 of int32, rows of `moe_layers * moe_topk` expert ids, one row per token but
-  the last) and `routed_experts_start_len` when the request says `return_routed_experts`; rows start at
-  the cached prefix when `routed_experts_from_cache` is set, else at 0;
+  the last) and `routed_experts_start_len` when the request says `return_routed_experts`; with
+  `routed_experts_from_cache` rows start after an earlier sequence the prompt extends whole (a session's
+  previous turn, whose rows the client holds), else at 0;
 - `top_p_token_ids` / `top_p_token_offsets` when `sampling_params.custom_params.return_top_p_token_ids`
   (the sampled token and, below top_p 1, one more kept id per token).
 
@@ -38,23 +39,27 @@ class PrefixCache:
         self._entries: OrderedDict[tuple[int, ...], list[np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def cached(self, prompt: list[int]) -> int:
+    def cached(self, prompt: list[int]) -> tuple[int, int]:
+        """(cached tokens, the longest earlier sequence the prompt extends whole: a session's next turn)."""
         key = tuple(prompt[:_KEY_TOKENS])
         ids = np.asarray(prompt, dtype=np.int64)
-        best = 0
+        best = whole = 0
         with self._lock:
             for seq in self._entries.get(key, ()):
                 n = min(len(seq), len(ids))
                 differ = np.flatnonzero(seq[:n] != ids[:n])
-                best = max(best, int(differ[0]) if differ.size else n)
-        return best
+                common = int(differ[0]) if differ.size else n
+                best = max(best, common)
+                if common == len(seq):
+                    whole = max(whole, common)
+        return best, whole
 
     def add(self, sequence: list[int]) -> None:
         key = tuple(sequence[:_KEY_TOKENS])
         with self._lock:
             entries = self._entries.setdefault(key, [])
             entries.insert(0, np.asarray(sequence, dtype=np.int64))
-            del entries[4:]
+            del entries[32:]
             self._entries.move_to_end(key)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
@@ -81,8 +86,9 @@ def top_p_kept(output_ids: list[int], top_p: float, vocab: int) -> tuple[list[in
 
 
 def replay_meta(config: EngineConfig, body: dict[str, Any], params: dict[str, Any], prompt: list[int],
-                output: list[int], cached: int, vocab: int) -> dict[str, Any]:
-    """The extra `meta_info` fields of one answer."""
+                output: list[int], cached: tuple[int, int], vocab: int) -> dict[str, Any]:
+    """The extra `meta_info` fields of one answer; `cached` is `PrefixCache.cached`'s answer."""
+    cached, extends = cached
     meta: dict[str, Any] = {"cached_tokens": cached}
     n = len(output)
     if config.spec_draft_tokens > 0:
@@ -90,7 +96,8 @@ def replay_meta(config: EngineConfig, body: dict[str, Any], params: dict[str, An
         meta.update(spec_verify_ct=verify, spec_accept_token_num=max(0, n - verify),
                     spec_draft_token_num=verify * config.spec_draft_tokens)
     if body.get("return_routed_experts"):
-        start = cached if config.routed_experts_from_cache else 0
+        # the client holds rows for the earlier sequence but its last token
+        start = max(0, extends - 1) if config.routed_experts_from_cache else 0
         rows = expert_rows((prompt + output)[start:-1], config.moe_layers, config.moe_topk, config.moe_experts)
         meta["routed_experts"] = base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
         meta["routed_experts_start_len"] = start
