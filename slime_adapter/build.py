@@ -302,8 +302,8 @@ def build_samples(
 ) -> tuple[list[Any], BuildStats]:
     """Samples of one record (more than one when its token history forks and `fork_policy` is "all")
     and their counts. Every sample of the record gets `rollout_id` (slime's loss aggregation counts
-    siblings of one rollout once); `moe_shape` is `(num_layers, moe_router_topk)` for routed experts. `mask_offpolicy` (slime's `--mask-offpolicy-in-partial-rollout`): on the token path,
-    generated tokens older than the newest policy version in the record train nothing (counted).
+    siblings of one rollout once); `moe_shape` is `(num_layers, moe_router_topk)` for routed experts.
+    `mask_offpolicy` (slime's `--mask-offpolicy-in-partial-rollout`): on the token path, generated tokens older than the newest policy version in the record train nothing (counted).
 
     `tokenizer_getter()` is called only on the message path, so token-path records never load one (a
     getter that fails, e.g. no tokenizer configured, raises: that is configuration, not data). `verify` is

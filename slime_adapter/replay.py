@@ -67,7 +67,8 @@ class PieceReplay:
         return total
 
 
-def _join_experts(experts: np.ndarray | None, values: Any, start: int, rows: int) -> tuple[np.ndarray | None, str | None]:
+def _join_experts(experts: np.ndarray | None, values: Any, start: int,
+                  rows: int) -> tuple[np.ndarray | None, str | None]:
     """One turn's routed experts joined onto the piece's so far (slime's rule)."""
     array = np.asarray(values, dtype=np.int32).reshape(-1)
     if rows <= 0 or array.size % rows:
