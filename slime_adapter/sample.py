@@ -7,11 +7,14 @@ names that slime's class has too, and `make_sample` drops fields an older slime 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["OPTIONAL_FIELDS", "Sample", "SLIME_AVAILABLE", "make_sample", "status_from_record", "sample_field_names"]
+_SLIME_TYPES = "slime.utils.types"
+__all__ = ["OPTIONAL_FIELDS", "SLIME_AVAILABLE", "Sample", "make_sample", "sample_class", "sample_field_names",
+           "status_from_record"]
 
 # Fields newer than the oldest slime the adapter supports: left out where the Sample class lacks them.
 OPTIONAL_FIELDS: frozenset[str] = frozenset({
@@ -112,9 +115,16 @@ except ImportError:
     SLIME_AVAILABLE = False
 
 
+def sample_class() -> Any:
+    """slime's `Sample` when slime is imported (also when that happened after this module was: a trainer
+    that imports slime late, a test that puts a checkout on the path), else the stand-in."""
+    module = sys.modules.get(_SLIME_TYPES)
+    return getattr(module, "Sample", Sample) if module is not None else Sample
+
+
 def sample_field_names() -> frozenset[str]:
     """The fields the active `Sample` class accepts (slime versions differ)."""
-    return frozenset(f.name for f in dataclasses.fields(Sample))
+    return frozenset(f.name for f in dataclasses.fields(sample_class()))
 
 
 def make_sample(**values: Any) -> Any:
@@ -129,13 +139,14 @@ def make_sample(**values: Any) -> Any:
     if unknown - OPTIONAL_FIELDS:
         raise TypeError(f"Sample has no field(s) {sorted(unknown - OPTIONAL_FIELDS)}")
     kept = {k: v for k, v in values.items() if k in names}
+    cls = sample_class()
     for name, cls_name in (("spec_info", "SpecInfo"), ("prefix_cache_info", "PrefixCacheInfo")):
         if isinstance(kept.get(name), dict):
-            info = getattr(Sample, cls_name)()
+            info = getattr(cls, cls_name)()
             for key, value in kept[name].items():
                 setattr(info, key, value)
             kept[name] = info
-    return Sample(**kept)
+    return cls(**kept)
 
 
 _STATUS_NAMES: dict[str, str] = {
@@ -156,7 +167,8 @@ def status_from_record(status: str) -> Any:
         name = _STATUS_NAMES[status]
     except KeyError:
         raise ValueError(f"unknown record status {status!r}; expected one of {sorted(_STATUS_NAMES)}") from None
-    member = getattr(Sample.Status, name, None)
+    status = sample_class().Status
+    member = getattr(status, name, None)
     if member is None:
-        member = Sample.Status.ABORTED
+        member = status.ABORTED
     return member
