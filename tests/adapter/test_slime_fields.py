@@ -95,3 +95,37 @@ def test_failed_records_and_extra_info_flags(qwen_tokenizer: Any) -> None:
     [sample], _ = build_samples(flagged, lambda: qwen_tokenizer)
     assert sample.remove_sample is True and sample.train_metadata == {"teacher": "t1"}
     assert sample.non_generation_time == 2.5
+
+
+def test_partial_rollout_marks_records_continued_across_an_update(external_buffer: ServerProcess,
+                                                                  tmp_path: Path) -> None:
+    """slime's `--partial-rollout`: a sample continued across a weight update carries `start_rollout_id` (the
+    version it started under); `--mask-offpolicy-in-partial-rollout` masks what the older version generated."""
+    import httpx
+
+    from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+    from tests.support.helpers import SlimeLikeDataBuffer
+
+    run_id = f"partial-{time.monotonic_ns()}"
+    args = slime_namespace(
+        rollout_buffer_url=external_buffer.url, rollout_task_type="external", n_samples_per_prompt=2,
+        prompt_data=str(write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "p0", "prompt": "x"}])),
+        rollout_batch_size=1, num_epoch=1, hf_checkpoint=str(qwen_tokenizer_dir("qwen2.5")),
+        agent_rollout_run_id=run_id, agent_fetch_timeout_s=2.0, agent_fetch_backoff_s=0.05,
+        fetch_trajectory_retry_times=3, partial_rollout=True, mask_offpolicy_in_partial_rollout=True)
+    from slime_adapter.buffer_client import start_rollout
+
+    start_rollout(external_buffer.url, args, {})
+    turn = {"prompt_ids": [1, 2, 3], "output_ids": [4, 5, 6], "output_logprobs": [-0.1, -0.2, -0.3],
+            "finish_reason": "stop", "weight_version": 3, "version_spans": [[3, 2], [4, 1]],
+            "calls": [{"weight_version": "v3"}, {"weight_version": "v4"}]}
+    steady = {**turn, "version_spans": None, "weight_version": 4, "calls": [{"weight_version": "v4"}]}
+    with httpx.Client(base_url=external_buffer.url, timeout=10) as client:
+        for uid, record_turn in (("a", turn), ("b", steady)):
+            record = make_record("p0", uid=f"{run_id}:{uid}", run_id=run_id, turns=[record_turn])
+            assert client.post("/buffer/write", json=record).status_code == 200
+    [group] = generate_rollout(args, 5, SlimeLikeDataBuffer())
+    continued, fresh = sorted(group, key=lambda s: s.metadata["uid"])
+    assert continued.metadata["start_rollout_id"] == 3 and "start_rollout_id" not in fresh.metadata
+    assert continued.weight_versions == ["v3", "v4"], "one per engine call, as slime appends them"
+    assert continued.loss_mask == [0, 0, 1] and fresh.loss_mask == [1, 1, 1]
