@@ -32,6 +32,8 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-lease-s", type=float,
                         help="seconds before a job whose worker stopped renewing its claim is reclaimed")
     parser.add_argument("--rollout-timeout-s", type=float, help="per-rollout time limit (default 1800)")
+    parser.add_argument("--session-timeout-s", type=float,
+                        help="a gateway session idle this long finishes as failed (default 600)")
     parser.add_argument("--allow-hub-downloads", action="store_true", default=None,
                         help="download tokenizers named by hub id when not in the local Hugging Face cache "
                              "(default: cache only)")
@@ -70,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="folder that input_file and local tokenizer_path may name (repeatable; "
                               "default: the directory the server started in)")
     network.add_argument("--allow-url", action="append",
-                         help="URL prefix the server may call: engines, /init server_url and its callback "
-                              "(repeatable; default: any)")
+                         help="URL prefix the server may call or hand a task module: engines, a slime-style "
+                              "module's remote_buffer_url, /init server_url and its callback (repeatable; "
+                              "default: any; the list: rollout_buffer/security/outbound.py)")
     network.add_argument("--max-tasks-per-run", type=int,
                          help="largest lines x num_epoch x num_repeat_per_sample of one run (default 10000000)")
 
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--processes", dest="worker_processes", type=int,
                         help="worker processes (default: one per core, at most 8)")
     worker.add_argument("--workers", type=int, help="rollout loops per worker process (default 1)")
+    worker.add_argument("--allow-url", action="append",
+                        help="URL prefix this worker's rollouts may call (repeatable; default: any): a run whose "
+                             "engines lie outside is left alone, as `serve --allow-url` refuses it")
 
     sub.add_parser("status", help="show runs, progress and rates of a running buffer (--watch to follow)",
                    add_help=False)

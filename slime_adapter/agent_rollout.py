@@ -55,6 +55,7 @@ from slime_adapter.buffer_client import (
 from slime_adapter.build import BuildStats, build_group_samples
 from slime_adapter.dynamic_filter import DropCounts, judge, load_filter, should_drop
 from slime_adapter.evaluation import evaluate
+from slime_adapter.lease_renewal import LeaseKeeper
 from slime_adapter.metrics import log_raw_info
 from slime_adapter.outputs import slime_outputs_available, train_output
 from slime_adapter.run_health import RunFailedError, RunHealth, raise_if_exhausted
@@ -113,7 +114,7 @@ class SampleBuildError(RuntimeError):
 class AgentRolloutState:
     """What survives between trainer steps in this process: whether the run was started, its id, and the
     leased batches whose samples are in the data buffer but whose acknowledgement has not reached the
-    buffer yet (sent with the next read)."""
+    buffer yet (sent with the next read), and the task renewing their leases meanwhile."""
 
     started: bool = False
     run_id: str | None = None
@@ -123,6 +124,12 @@ class AgentRolloutState:
     pending_acks: list[str] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)
     surplus: Surplus = field(default_factory=Surplus)  # over-sampled groups held for the next step
+    leases: LeaseKeeper = field(default_factory=LeaseKeeper)
+
+    def held_batches(self) -> tuple[str | None, list[str]]:
+        """(run id, batches held now): read and not acknowledged yet, over-sampled ones included; their
+        leases are renewed until acknowledged, between steps too."""
+        return self.run_id, list(dict.fromkeys([*self.pending_acks, *self.surplus.read_batches]))
 
 
 _STATE = AgentRolloutState()
@@ -136,6 +143,7 @@ def get_state() -> AgentRolloutState:
 def reset_state() -> AgentRolloutState:
     """Forget the started run, as a fresh trainer process would (the next step calls /start_rollout again)."""
     global _STATE
+    _STATE.leases.stop()
     _STATE = AgentRolloutState()
     return _STATE
 
@@ -421,10 +429,13 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
             failures = 0
             read_batch = str(meta["batch_id"]) if meta.get("batch_id") else None
             if read_batch:  # a buffer without leases (slime's own) hands over at once
+                # acknowledged once none of its groups is held (step.hand_over); renewed until then, so
+                # building, and holding over-sampled groups to the next step, may outlast the lease
                 state.surplus.note_read(read_batch)
+                state.leases.keep(settings.buffer_url, settings.lease_s, state.held_batches)
             try:
-                step.accept(records, meta, read_batch)
-            finally:  # acknowledged once none of its groups is held (step.hand_over)
+                await asyncio.to_thread(step.accept, records, meta, read_batch)  # the loop keeps renewing
+            finally:
                 batch_id = _new_batch_id()
             state.health.observe(meta)
             await state.health.check(settings.buffer_url, state.run_id, settings.max_failed_groups, where)

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from rollout_buffer import __version__
 from rollout_buffer.api.bodies import install_openapi
 from rollout_buffer.api.errors import BodySizeLimit, install_error_handlers
+from rollout_buffer.api.gateway import app as gateway
 from rollout_buffer.api.responses import OrjsonResponse
 from rollout_buffer.api.routes import ops, policy, reads, runs, writes
 from rollout_buffer.api.routes.dashboard import install_dashboard
@@ -25,11 +26,11 @@ from rollout_buffer.api.routes.docs import install_docs
 from rollout_buffer.api.routes.remote import router as remote_router
 from rollout_buffer.api.state import AppState
 from rollout_buffer.api.upkeep import maintain, supervise_embedded
-from rollout_buffer.logs import redact_query_tokens
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.runs.lifecycle import Runtime
 from rollout_buffer.security.access import AccessPolicy
 from rollout_buffer.security.auth import BearerAuth
+from rollout_buffer.security.redaction import install_redaction
 from rollout_buffer.settings import Settings
 from rollout_buffer.store.embedded import EmbeddedRedis
 from rollout_buffer.store.redis_client import display_url
@@ -84,7 +85,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         app.state.buffer = state
         app.state.remote = RemoteService(store, registry, settings, metrics=metrics)
         await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
-        upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep")]
+        upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep"),
+                  gateway.start(app, store, settings)]
         if embedded is not None and embedded.owner:
             upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
         tune_gc()
@@ -96,6 +98,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
             for task in upkeep:
                 task.cancel()
             await app.state.remote.stop()
+            await gateway.stop(app)
             await state.runtime.shutdown()
             await store.close()
             if embedded is not None:
@@ -106,14 +109,16 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
                   default_response_class=OrjsonResponse, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_openapi(app)
+    # the write routes first: requests are matched route by route in order, and writes are most requests
+    for router in (writes.router, runs.router, reads.router, policy.router, ops.router, remote_router):
+        app.include_router(router)
     install_docs(app)
     install_dashboard(app)
-    for router in (runs.router, writes.router, reads.router, policy.router, ops.router, remote_router):
-        app.include_router(router)
+    gateway.include_routers(app)  # the agent gateway: sessions, and the OpenAI / Anthropic model endpoints
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     token = settings.resolved_auth_token()
     if token is not None:  # outermost: a request without the token is refused before its body is read
         app.add_middleware(BearerAuth, token=token)
-        redact_query_tokens()  # the dashboard is opened once as /?token=...: keep it out of the access log
+        install_redaction()  # /?token=... and capability URLs stay out of the access log (and every other)
     return app

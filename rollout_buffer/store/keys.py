@@ -14,6 +14,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:active_run               string run_id that unqualified writes and reads attach to
     rb:run_events               stream run ids launched or stopped, so workers anywhere notice (XREAD BLOCK)
     rb:{R}:meta                 hash   status, created_at, group_size, num_epoch, task_type, superseded_by, ...
+                                       (a deleted run's tombstone: status deleted, superseded_by; see retention)
     rb:{R}:records              hash   uid -> packed record (see rollout_buffer.wire.packing), until handed over
     rb:{R}:uids                 set    every uid ever stored in the run (idempotency for the run's life)
     rb:{R}:gsize                hash   gid -> members written so far
@@ -26,6 +27,8 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:leases               zset   batch_id -> lease expiry (unix time) of batches read with a lease
     rb:{R}:lease_data           hash   batch_id -> JSON {groups, since, num_since_groups, timed_out, ...}
     rb:{R}:settled              zset   batch_id -> +ack time, or -expiry time (last 10,000; answers retries)
+    rb:{R}:lease_expired        hash   batch_id -> lease JSON of an expired lease (with `settled`: a late ack)
+    rb:{R}:glease               hash   gid -> batch_id of the lease that took the group from the ready list last
     rb:{R}:stats                hash   cumulative counters (writes, duplicates, drops by reason, ...)
     rb:{R}:since                hash   counters since the previous read (meta_info's no-filter view)
     rb:{R}:since_groups         set    gids written to since the previous read (meta_info)
@@ -42,6 +45,13 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:lines                hash   line index -> instance_id, in file order (runs that extend the stream)
     rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
     rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
+    rb:{R}:sessions             hash   session id -> gateway session (JSON: instance, epoch, key digest, metadata)
+    rb:{R}:session_status       hash   session id -> open | finished | failed
+    rb:{R}:session_open         zset   session id -> last activity (unix time) of open sessions (idle timeout)
+    rb:{R}:session_seq          hash   instance_id -> sessions created for it (assigns epochs to groups)
+    rb:{R}:session_nodes        hash   "{sid}|{n}" -> packed turn n of a session; "{sid}|#" -> turns so far
+    rb:{R}:session_index        hash   "{sid}|p|{digest}" -> turn whose history ends so; "{sid}|r|{digest}" -> turn
+                                       that answered that exact request (retries replay it)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
@@ -168,7 +178,8 @@ def run_keys(run_id: str) -> list[str]:
     return [make(run_id) for make in (
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
         stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
-        group_version, group_generation, group_started, lines, read_log, timeline)]
+        group_version, group_generation, group_started, lines, read_log, timeline, expired_leases, group_lease,
+        sessions, session_status, session_open, session_seq, session_nodes, session_index)]
 
 
 def remote(rollout_id: str) -> str:
@@ -181,6 +192,14 @@ REMOTE_OPEN = f"{PREFIX}:remote_open"
 
 def remote_owner(owner_id: str) -> str:
     return f"{PREFIX}:remote_owner:{owner_id}"
+
+
+def expired_leases(run_id: str) -> str:
+    return f"{_tag(run_id)}:lease_expired"
+
+
+def group_lease(run_id: str) -> str:
+    return f"{_tag(run_id)}:glease"
 
 
 def error_examples(run_id: str) -> str:
@@ -209,3 +228,27 @@ def read_log(run_id: str) -> str:
 
 def timeline(run_id: str) -> str:
     return f"{_tag(run_id)}:timeline"
+
+
+def sessions(run_id: str) -> str:
+    return f"{_tag(run_id)}:sessions"
+
+
+def session_status(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_status"
+
+
+def session_open(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_open"
+
+
+def session_seq(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_seq"
+
+
+def session_nodes(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_nodes"
+
+
+def session_index(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_index"
