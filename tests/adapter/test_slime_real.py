@@ -14,7 +14,6 @@ Without `SLIME_DIR` these tests are skipped with that reason; `test_slime_fields
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,23 +33,15 @@ from tests.adapter.test_slime_fields import GROUP, MOE, TOOL_S, fields_args, rep
 from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, write_jsonl
 from tests.support.slime_fields import check_sample_fields
 from tests.support.slime_namespace import slime_namespace
-from tests.support.torch_standin import install_torch_standin, slime_dir_or_skip
+from tests.support.torch_standin import real_slime
 
 
 @pytest.fixture()
 def slime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """slime's modules from `$SLIME_DIR` (skipped without it); forgotten again afterwards."""
-    path = slime_dir_or_skip()
-    install_torch_standin(monkeypatch)
-    monkeypatch.syspath_prepend(path)
-    import slime.rollout.base_types as base_types
-    import slime.utils.types as types
-
+    """slime's modules from `$SLIME_DIR` (skipped without it), with a fresh adapter state."""
     reset_state()
-    yield SimpleNamespace(Sample=types.Sample, base_types=base_types)
+    yield from real_slime(monkeypatch)
     reset_state()
-    for name in [n for n in sys.modules if n == "slime" or n.startswith(("slime.", "slime_plugins"))]:
-        del sys.modules[name]
 
 
 def _rows(n: int) -> list[dict[str, Any]]:

@@ -24,12 +24,15 @@ def call_starts(sample: Any) -> list[int]:
 
 
 def check_sample_fields(sample: Any, *, engine_version: str, calls: int, spec_draft: int, moe: tuple[int, int, int],
-                        vocab: int, min_tool_s: float) -> None:
-    """Every field of item 1 on one token-path sample of a run on the test engine (replay fields on)."""
+                        vocab: int, min_tool_s: float, stamped: bool = True) -> None:
+    """Every field of item 1 on one token-path sample of a run on the test engine (replay fields on).
+    `stamped`: the run has a policy version (a trainer said one), so every turn carries the counter."""
     starts = call_starts(sample)
     assert len(starts) == calls, (starts, calls)
     assert sample.weight_versions == [engine_version] * calls, "one engine weight_version string per call"
-    assert isinstance(sample.metadata["policy_version"], int), "the buffer's policy counter stays in metadata"
+    if stamped:
+        assert isinstance(sample.metadata["policy_version"], int), "the buffer's policy counter stays in metadata"
+        assert all(isinstance(v, int) for v in sample.metadata["policy_versions"])
     assert isinstance(sample.rollout_id, int)
     assert sample.session_id == sample.metadata["uid"], "the runtime's routing key"
     prefix = sample.prefix_cache_info

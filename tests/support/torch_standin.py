@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-__all__ = ["install_torch_standin", "slime_dir_or_skip"]
+__all__ = ["install_torch_standin", "real_slime", "slime_dir_or_skip"]
 
 
 class Tensor(np.ndarray):
@@ -84,3 +84,19 @@ def slime_dir_or_skip() -> str:
         pytest.skip("SLIME_DIR is not set to a checkout of slime's repository (slime is not on PyPI); the "
                     "always-on contract tests cover the same fields")
     return path
+
+
+def real_slime(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fixture body: slime's `Sample` and output classes from `$SLIME_DIR` (the test is skipped without
+    it), torch stood in; slime's modules are forgotten again afterwards."""
+    from types import SimpleNamespace
+
+    path = slime_dir_or_skip()
+    install_torch_standin(monkeypatch)
+    monkeypatch.syspath_prepend(path)
+    import slime.rollout.base_types as base_types
+    import slime.utils.types as types_module
+
+    yield SimpleNamespace(Sample=types_module.Sample, base_types=base_types)
+    for name in [n for n in sys.modules if n == "slime" or n.startswith(("slime.", "slime_plugins"))]:
+        del sys.modules[name]
