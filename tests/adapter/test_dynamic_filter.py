@@ -96,13 +96,17 @@ def test_zero_std_groups_dropped_and_the_surplus_waits_leased(external_buffer: S
     assert sorted(consumed) == [f"0:i{i}" for i in range(6)] and len(set(consumed)) == 6
 
 
-def test_a_trainer_that_dies_holding_surplus_loses_nothing(external_buffer: ServerProcess, tmp_path: Path) -> None:
+def test_held_surplus_is_renewed_and_a_trainer_that_dies_loses_nothing(external_buffer: ServerProcess, tmp_path: Path) -> None:
     run_id = f"dyn-die-{time.monotonic_ns()}"
     args = args_for(external_buffer, tmp_path, run_id, agent_lease_s=1.0)
     start_rollout(external_buffer.url, args, {})
     write_groups(external_buffer.url, run_id, ["i0", "i1", "i2", "i3"])
     first = generate_rollout(args, 0, SlimeLikeDataBuffer())
     assert [g[0].metadata["instance_id"] for g in first] == ["i1"]
+    held_until = time.monotonic() + 2.5  # over twice the lease: renewed between steps while the trainer lives
+    while time.monotonic() < held_until:
+        assert leased_groups(external_buffer.url, run_id) == 4, "the held surplus's batch stays leased"
+        time.sleep(0.2)
     reset_state()  # the trainer process is gone with i3 held; its lease runs out
     deadline = time.monotonic() + 20
     while leased_groups(external_buffer.url, run_id) and time.monotonic() < deadline:
