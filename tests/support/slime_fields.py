@@ -57,7 +57,8 @@ def check_sample_fields(sample: Any, *, engine_version: str, calls: int, spec_dr
         span = ids[offsets[i]:offsets[i + 1]]
         token = int(sample.tokens[prompt_len + i])
         assert span == ([token, (token + 1) % vocab] if bit else []), (i, span)
-    assert sample.non_generation_time >= min_tool_s, "tool time is not generation time"
+    assert sample.non_generation_time >= min_tool_s, ("tool time is not generation time", sample.non_generation_time,
+                                                     sample.metadata.get("duration_s"), sample.metadata["uid"])
 
 
 def filter_nonzero_std(args: Any, samples: list[Any], **kwargs: Any) -> Any:
