@@ -35,7 +35,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -52,14 +52,14 @@ from slime_adapter.buffer_client import (
     skip_ids_from_metadata,
     start_rollout,
 )
-from slime_adapter.build import BuildStats, build_group_samples
 from slime_adapter.evaluation import evaluate
 from slime_adapter.lease_renewal import LeaseKeeper
 from slime_adapter.metrics import log_raw_info
 from slime_adapter.outputs import slime_outputs_available, train_output
 from slime_adapter.run_health import RunFailedError, RunHealth, raise_if_exhausted
 from slime_adapter.settings import AgentRolloutSettings
-from slime_adapter.tokenizers import get_tokenizer
+from slime_adapter.step import SampleBuildError, Step, split_groups
+from slime_adapter.surplus import Surplus
 
 __all__ = [
     "AgentRolloutState",
@@ -100,14 +100,6 @@ class GroupSizeMismatchError(RuntimeError):
         self.n_samples_per_prompt = n_samples_per_prompt
 
 
-class SampleBuildError(RuntimeError):
-    """A handed-over group could not be turned into exact samples; `records` keeps it for inspection."""
-
-    def __init__(self, message: str, records: list[dict[str, Any]]) -> None:
-        super().__init__(message)
-        self.records = records
-
-
 @dataclass
 class AgentRolloutState:
     """What survives between trainer steps in this process: whether the run was started, its id, and the
@@ -118,9 +110,16 @@ class AgentRolloutState:
     run_id: str | None = None
     start_answer: dict[str, Any] | None = None
     next_group_index: int = 0
+    next_rollout_id: int = 0  # Sample.rollout_id: one per record, shared by its forks
     pending_acks: list[str] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)
+    surplus: Surplus = field(default_factory=Surplus)  # over-sampled groups held for the next step
     leases: LeaseKeeper = field(default_factory=LeaseKeeper)
+
+    def held_batches(self) -> tuple[str | None, list[str]]:
+        """(run id, batches held now): read and not acknowledged yet, over-sampled ones included; their
+        leases are renewed until acknowledged, between steps too."""
+        return self.run_id, list(dict.fromkeys([*self.pending_acks, *self.surplus.read_batches]))
 
 
 _STATE = AgentRolloutState()
@@ -162,108 +161,17 @@ class _LoopThread:
 _LOOP = _LoopThread()
 
 
-def split_groups(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Records of one read, grouped by (instance_id, epoch), in the order the buffer handed them over."""
-    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
-    for record in records:
-        groups.setdefault((str(record["instance_id"]), record.get("epoch")), []).append(record)
-    return list(groups.values())
-
-
 def _buffered_groups(data_buffer: Any) -> int:
     """Groups already waiting in slime's buffer (surplus of an earlier step); 0 if it cannot say."""
     length = getattr(data_buffer, "get_buffer_length", None)
     return int(length()) if callable(length) else 0
 
 
-@dataclass
-class _Step:
-    """One trainer step's fetch: reads' meta_info, finished ids, build counts."""
-
-    settings: AgentRolloutSettings
-    state: AgentRolloutState
-    data_buffer: Any
-    rollout_id: int
-    metas: list[dict[str, Any]] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)  # group keys "<epoch>:<instance_id>"
-    finished_ids: list[str] = field(default_factory=list)  # from a buffer that names no keys (slime's own)
-    stats: BuildStats = field(default_factory=BuildStats)
-    groups_added: int = 0
-    size_mismatches: int = 0
-
-    def __post_init__(self) -> None:
-        earlier = (self.data_buffer.get_metadata() or {}).get(self._key)
-        if isinstance(earlier, dict):  # this step was interrupted and is being retried: keep what it consumed
-            self.finished = [str(k) for k in earlier.get("groups") or []]
-            self.finished_ids = [str(i) for i in earlier.get("instance_ids") or []]
-
-    @property
-    def _key(self) -> str:
-        return str(self.rollout_id)
-
-    def _tokenizer(self) -> Any:
-        if not self.settings.hf_checkpoint:
-            raise ValueError("a record without `turns` needs a tokenizer to re-render its messages; "
-                             "set args.hf_checkpoint")
-        return get_tokenizer(self.settings.hf_checkpoint, trust_remote_code=True)
-
-    def _build(self, records: list[dict[str, Any]]) -> list[Any]:
-        group_index = self.state.next_group_index
-        samples, stats = build_group_samples(records, self._tokenizer, self.settings.loss_mask_type,
-                                             group_index=group_index, fork_policy=self.settings.fork_policy,
-                                             verify=self.settings.loss_mask_verify,
-                                             mask_offpolicy=self.settings.mask_offpolicy)
-        has_raw = {r["uid"]: r.get("raw_reward") is not None for r in records}
-        for sample in samples:
-            if self.settings.reward_field(has_raw[sample.metadata["uid"]]) == "raw_reward":
-                sample.reward = sample.metadata["raw_reward"]
-        self.state.next_group_index += 1
-        self.stats.merge(stats)
-        if len(samples) != self.settings.n_samples_per_prompt:
-            self.size_mismatches += 1
-            log.warning("group of instance %s has %d sample(s), n_samples_per_prompt is %d (forks: %d, "
-                        "agent_fork_policy %r); slime's group reward normalisation and "
-                        "RolloutDataSourceWithBuffer.add_samples assume groups of exactly n_samples_per_prompt",
-                        records[0]["instance_id"], len(samples), self.settings.n_samples_per_prompt, stats.forks,
-                        self.settings.fork_policy)
-        return samples
-
-    def accept(self, records: list[dict[str, Any]], meta: dict[str, Any]) -> int:
-        """Build and store one read's groups; returns how many groups went into the data buffer.
-
-        Everything the read consumed is recorded in the metadata before any error propagates, and every
-        group built before a failing one is already in the data buffer.
-        """
-        if meta:
-            self.metas.append(meta)
-        if "finished_group_keys" in meta:
-            self.finished.extend(str(k) for k in meta["finished_group_keys"])
-        else:  # slime's form: one instance id per group (see buffer_client.resume_keys_from_metadata)
-            self.finished_ids.extend(str(i) for i in meta.get("finished_groups") or [])
-        built: list[list[Any]] = []
-        try:
-            for group in split_groups(records):
-                try:
-                    built.append(self._build(group))
-                except Exception as exc:
-                    raise SampleBuildError(f"cannot build samples for the group of instance "
-                                           f"{group[0]['instance_id']}: {type(exc).__name__}: {exc}", group) from exc
-        finally:
-            record: dict[str, list[str]] = {"groups": list(self.finished)}
-            if self.finished_ids:
-                record["instance_ids"] = list(self.finished_ids)
-            self.data_buffer.update_metadata({self._key: record})
-            if built:
-                self.data_buffer.add_samples(built)
-                self.groups_added += len(built)
-        return len(built)
-
-
 # the buffer's answer when `num` cannot hold the next ready group (rollout_buffer.runs.reads)
 _NUM_TOO_SMALL = re.compile(r"num=(?P<num>\d+) is smaller than the next ready group \((?P<size>\d+) records?\)")
 
 
-def _check_group_fits(step: "_Step", num: int, message: str) -> None:
+def _check_group_fits(step: "Step", num: int, message: str) -> None:
     """Raise at once when the buffer refused because `num` is smaller than its next ready group."""
     match = _NUM_TOO_SMALL.search(message)
     if match is None and not ("smaller than" in message and "group" in message):
@@ -319,7 +227,7 @@ async def _flush_acks(settings: AgentRolloutSettings, state: AgentRolloutState) 
     _check_acks({"acks": [{"batch_id": b, "outcome": o} for b, o in outcomes.items()]})
 
 
-async def _collect(step: _Step, need_groups: int, min_groups: int | None = None) -> None:
+async def _collect(step: Step, need_groups: int, min_groups: int | None = None) -> None:
     """Fetch until `need_groups` groups were added; empty answers and network errors back off and count
     towards `fetch_trajectory_retry_times` (consecutive; any progress resets the count). A read that got no
     answer is sent again with the same batch id, so the batch it may have leased is not lost. A buffer whose
@@ -332,7 +240,7 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
     batch_id = _new_batch_id()
     while step.groups_added < need_groups:
         remaining = need_groups - step.groups_added
-        num = remaining * settings.n_samples_per_prompt
+        num = max(remaining, settings.over_sampling_batch_size or 0) * settings.n_samples_per_prompt
         enough = step.groups_added >= min_groups
         began = time.monotonic()
         error: BaseException | None = None
@@ -346,6 +254,7 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
         except RunSuperseded as exc:
             log.warning("rollout %d: %s; reading %s from now on", step.rollout_id, exc, exc.successor)
             state.run_id, state.pending_acks, batch_id = exc.successor, [], _new_batch_id()
+            state.surplus.clear()  # its leases went with the old run; the successor hands its groups over again
             continue
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             error, records, meta = exc, [], {}
@@ -354,14 +263,14 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
             _check_acks(meta)
         if records or meta.get("finished_groups"):
             failures = 0
-            # acknowledged even when building fails (its keys are in the metadata: the batch is consumed);
-            # its lease is renewed meanwhile, so building may take longer than the lease
-            if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
-                state.pending_acks.append(str(meta["batch_id"]))
-                state.leases.keep(settings.buffer_url, settings.lease_s,
-                                  lambda: (state.run_id, list(state.pending_acks)))
+            read_batch = str(meta["batch_id"]) if meta.get("batch_id") else None
+            if read_batch:  # a buffer without leases (slime's own) hands over at once
+                # acknowledged once none of its groups is held (step.hand_over); renewed until then, so
+                # building, and holding over-sampled groups to the next step, may outlast the lease
+                state.surplus.note_read(read_batch)
+                state.leases.keep(settings.buffer_url, settings.lease_s, state.held_batches)
             try:
-                await asyncio.to_thread(step.accept, records, meta)  # the loop keeps renewing meanwhile
+                await asyncio.to_thread(step.accept, records, meta, read_batch)  # the loop keeps renewing
             finally:
                 batch_id = _new_batch_id()
             state.health.observe(meta)
@@ -407,8 +316,10 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
     need = settings.rollout_batch_size - buffered
     metrics: dict[str, Any] | None = None
     if need > 0:
-        step = _Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id)
+        step = Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id, args=args,
+                     need=need)
         try:
+            step.hand_over(record_always=False)  # groups held from the previous step's over-sampling come first
             await _collect(step, need, max(0, settings.min_groups_per_step - buffered))
         finally:
             await _flush_acks(settings, state)
@@ -417,7 +328,8 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
             "rollout/fork_dropped_pieces": step.stats.fork_dropped_pieces,
             "rollout/fork_dropped_tokens": step.stats.fork_dropped_tokens,
             "rollout/fork_dropped_generated_tokens": step.stats.fork_dropped_generated_tokens,
-        }, to_wandb=not slime_outputs_available())
+            "rollout/over_sampling_held_groups": len(state.surplus),
+        }, to_wandb=not slime_outputs_available(), filter_drops=step.drops.metrics())
     return train_output(data_buffer.get_samples(settings.rollout_batch_size), metrics)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from rollout_buffer.wire.schema import TrajectoryRecord
 from slime_adapter.loss_mask import cached_loss_mask_generator
 from slime_adapter.message_path import build_message_path_sample
+from slime_adapter.replay import PieceReplay, piece_replay
 from slime_adapter.sample import make_sample, status_from_record
 from slime_adapter.settings import FORK_POLICIES
 from slime_adapter.token_path import build_token_pieces
@@ -125,7 +126,14 @@ def _assistant_texts(messages: Sequence[dict[str, Any]]) -> list[str]:
     return texts
 
 
-def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_index: int | None) -> dict[str, Any]:
+def _extra(record: TrajectoryRecord, name: str) -> Any:
+    """A record field beyond the schema's (the runtime's `session_id`, `non_generation_time`), or `extra_info`'s."""
+    value = (record.model_extra or {}).get(name)
+    return record.extra_info.get(name) if value is None else value
+
+
+def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_index: int | None,
+                 rollout_id: int | None = None) -> dict[str, Any]:
     raw_reward = record.raw_reward if record.raw_reward is not None else record.reward
     label = getattr(record, "label", None)
     if label is None:
@@ -142,9 +150,16 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
         "record_status": status,
         "weight_version": record.weight_version,
     }
+    session = _extra(record, "session_id")
+    train_metadata = record.extra_info.get("train_metadata")
     return {
         "group_index": group_index,
         "index": _index_of(record.instance_id),
+        "rollout_id": rollout_id,
+        "session_id": None if session is None else str(session),
+        "non_generation_time": float(_extra(record, "non_generation_time") or 0.0),
+        "train_metadata": dict(train_metadata) if isinstance(train_metadata, dict) else None,
+        "remove_sample": bool(record.extra_info.get("remove_sample", False)),
         "prompt": record.uid,
         "label": label,
         "reward": record.reward,
@@ -153,9 +168,32 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
     }
 
 
+def replay_fields(replay: PieceReplay, moe_shape: tuple[int, int] | None, meta: dict[str, Any]) -> dict[str, Any]:
+    """The Sample fields slime fills from `meta_info` (see `slime_adapter.replay`); problems go to `meta`."""
+    fields: dict[str, Any] = {"prefix_cache_info": replay.prefix_cache()}
+    spec = replay.spec()
+    if spec is not None:
+        fields["spec_info"] = spec
+    if replay.top_p_token_offsets is not None:
+        fields["rollout_top_p_token_ids"] = replay.top_p_token_ids
+        fields["rollout_top_p_token_offsets"] = replay.top_p_token_offsets
+    experts = replay.routed_experts
+    if replay.experts_problem is not None:
+        meta["routed_experts_problem"] = replay.experts_problem
+    elif experts is not None:
+        if moe_shape is not None and experts.shape[1] == moe_shape[0] * moe_shape[1]:
+            experts = experts.reshape(len(experts), *moe_shape)
+        elif moe_shape is not None:
+            meta["routed_experts_problem"] = (f"{experts.shape[1]} expert ids per token, num_layers x "
+                                              f"moe_router_topk is {moe_shape[0] * moe_shape[1]}")
+            experts = None
+        fields["rollout_routed_experts"] = experts
+    return fields
+
+
 def _token_path_samples(
     record: TrajectoryRecord, turns: Sequence[Any], status: str, group_index: int | None, fork_policy: str,
-    mask_offpolicy: bool = False,
+    mask_offpolicy: bool = False, rollout_id: int | None = None, moe_shape: tuple[int, int] | None = None,
 ) -> tuple[list[Any], BuildStats]:
     result = build_token_pieces(turns, mask_offpolicy=mask_offpolicy)
     stats = BuildStats(records=1, forks=result.forks, token_path_records=1)
@@ -170,12 +208,17 @@ def _token_path_samples(
         kept = kept[-1:]
     samples = []
     for k, piece in kept:
-        fields = _base_fields(record, status, MASK_SOURCE_TOKENS, group_index)
+        fields = _base_fields(record, status, MASK_SOURCE_TOKENS, group_index, rollout_id)
         versions = [v for v in piece.weight_versions if v is not None]
         meta = fields["metadata"]
         if meta["weight_version"] is None and versions:
             meta["weight_version"] = versions[-1]
-        meta["weight_versions"] = list(piece.weight_versions)
+        meta["policy_versions"] = list(piece.weight_versions)  # the buffer's counter per turn (staleness)
+        meta["weight_versions"] = list(piece.weight_versions)  # older name of the same
+        replay = piece_replay(turns, piece.first_turn, piece.last_turn)
+        fields.update(replay_fields(replay, moe_shape, meta))
+        meta["policy_versions_seen"] = replay.policy_versions
+        engine_versions = replay.weight_versions()
         if mask_offpolicy:
             meta["offpolicy_masked_tokens"] = piece.offpolicy_masked
             stats.offpolicy_masked_tokens += piece.offpolicy_masked
@@ -193,7 +236,7 @@ def _token_path_samples(
                 response_length=piece.response_length,
                 loss_mask=piece.loss_mask,
                 rollout_log_probs=piece.rollout_log_probs,
-                weight_versions=[str(v) for v in versions],
+                weight_versions=engine_versions or [str(v) for v in versions],
             )
         )
         stats.add_piece(piece.prompt_length, piece.response_length, piece.generated_tokens)
@@ -207,9 +250,10 @@ def _message_path_samples(
     loss_mask_type: str,
     group_index: int | None,
     verify: str | bool,
+    rollout_id: int | None = None,
 ) -> tuple[list[Any], BuildStats]:
     stats = BuildStats(records=1, retokenized_records=1)
-    fields = _base_fields(record, status, MASK_SOURCE_RETOKENIZED, group_index)
+    fields = _base_fields(record, status, MASK_SOURCE_RETOKENIZED, group_index, rollout_id)
     meta = fields["metadata"]
     generator = cached_loss_mask_generator(loss_mask_type, tokenizer_getter(), verify)
     built = build_message_path_sample(generator, record.messages, record.tools, uid=record.uid)
@@ -237,8 +281,8 @@ def _message_path_samples(
         loss_mask=mask,
         rollout_log_probs=None,
         weight_versions=versions,
-        remove_sample=built.refused is not None,
     )
+    sample.remove_sample = sample.remove_sample or built.refused is not None
     assert len(sample.loss_mask) == sample.response_length >= 1
     stats.add_piece(len(prompt_ids), len(response_ids), sum(mask))
     return [sample], stats
@@ -253,10 +297,13 @@ def build_samples(
     fork_policy: str = "all",
     verify: str | bool = "cheap",
     mask_offpolicy: bool = False,
+    rollout_id: int | None = None,
+    moe_shape: tuple[int, int] | None = None,
 ) -> tuple[list[Any], BuildStats]:
     """Samples of one record (more than one when its token history forks and `fork_policy` is "all")
-    and their counts. `mask_offpolicy` (slime's `--mask-offpolicy-in-partial-rollout`): on the token path,
-    generated tokens older than the newest policy version in the record train nothing (counted).
+    and their counts. Every sample of the record gets `rollout_id` (slime's loss aggregation counts
+    siblings of one rollout once); `moe_shape` is `(num_layers, moe_router_topk)` for routed experts.
+    `mask_offpolicy` (slime's `--mask-offpolicy-in-partial-rollout`): on the token path, generated tokens older than the newest policy version in the record train nothing (counted).
 
     `tokenizer_getter()` is called only on the message path, so token-path records never load one (a
     getter that fails, e.g. no tokenizer configured, raises: that is configuration, not data). `verify` is
@@ -268,8 +315,9 @@ def build_samples(
     rec, turns = _validated(record)
     status = _status_text(rec)
     if turns:
-        return _token_path_samples(rec, turns, status, group_index, fork_policy, mask_offpolicy)
-    return _message_path_samples(rec, status, tokenizer_getter, loss_mask_type, group_index, verify)
+        return _token_path_samples(rec, turns, status, group_index, fork_policy, mask_offpolicy, rollout_id,
+                                   moe_shape)
+    return _message_path_samples(rec, status, tokenizer_getter, loss_mask_type, group_index, verify, rollout_id)
 
 
 def _validated(record: dict[str, Any] | TrajectoryRecord) -> tuple[TrajectoryRecord, Sequence[Any] | None]:
@@ -294,13 +342,18 @@ def build_group_samples(
     fork_policy: str = "all",
     verify: str | bool = "cheap",
     mask_offpolicy: bool = False,
+    first_rollout_id: int | None = None,
+    moe_shape: tuple[int, int] | None = None,
 ) -> tuple[list[Any], BuildStats]:
-    """All samples of one group, record order kept (forks follow their record, under `fork_policy`)."""
+    """All samples of one group, record order kept (forks follow their record, under `fork_policy`).
+    Record i gets rollout id `first_rollout_id + i` (None: none)."""
     samples: list[Any] = []
     total = BuildStats()
-    for record in records:
+    for i, record in enumerate(records):
+        rollout_id = None if first_rollout_id is None else first_rollout_id + i
         built, stats = build_samples(record, tokenizer_getter, loss_mask_type, group_index=group_index,
-                                     fork_policy=fork_policy, verify=verify, mask_offpolicy=mask_offpolicy)
+                                     fork_policy=fork_policy, verify=verify, mask_offpolicy=mask_offpolicy,
+                                     rollout_id=rollout_id, moe_shape=moe_shape)
         samples.extend(built)
         total.merge(stats)
     return samples, total

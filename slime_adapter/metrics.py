@@ -93,8 +93,10 @@ def rollout_step(settings: AgentRolloutSettings, rollout_id: int) -> int:
     return rollout_id
 
 
-def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats | None = None) -> dict[str, Any]:
-    """The `rollout/...` dict of one step (without the step key)."""
+def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats | None = None,
+                    filter_drops: dict[str, int] | None = None) -> dict[str, Any]:
+    """The `rollout/...` dict of one step (without the step key); `filter_drops` (the adapter's dynamic
+    filter, `slime_adapter.dynamic_filter`) add to the buffer's drops of the same names."""
     agg = aggregate_meta_info(all_meta_info)
     out: dict[str, Any] = {
         "rollout/no_filter/total_samples": agg["total_samples"],
@@ -117,6 +119,8 @@ def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats |
         out["rollout/gateway_forks"] = sum(agg["gateway_forks"].values())
     for reason, count in sorted(agg["dynamic_filter"].items()):
         out[f"rollout/dynamic_filter/drop_{reason}"] = count
+    for name, count in (filter_drops or {}).items():
+        out[name] = out.get(name, 0) + count
     staleness = agg["staleness"]
     for name in ("min", "mean", "max"):
         if staleness[name] is not None:
@@ -166,7 +170,7 @@ def _wandb_run(settings: AgentRolloutSettings) -> Any:
 
 def log_raw_info(args: Any, all_meta_info: Sequence[dict[str, Any]], rollout_id: int,
                  stats: BuildStats | None = None, extra: dict[str, Any] | None = None,
-                 to_wandb: bool | None = None) -> dict[str, Any]:
+                 to_wandb: bool | None = None, filter_drops: dict[str, int] | None = None) -> dict[str, Any]:
     """Log one step's `rollout/` metrics (wandb when `args.use_wandb`, else the log) and return them.
 
     `stats` (the step's sample-building counts) adds response-length, generated-token, fork and
@@ -174,7 +178,7 @@ def log_raw_info(args: Any, all_meta_info: Sequence[dict[str, Any]], rollout_id:
     `to_wandb=False` keeps them out of wandb (slime logs them itself when they are returned to it).
     """
     settings = AgentRolloutSettings.from_args(args)
-    metrics = rollout_metrics(all_meta_info, stats)
+    metrics = rollout_metrics(all_meta_info, stats, filter_drops)
     metrics.update(extra or {})
     metrics["rollout/step"] = rollout_step(settings, rollout_id)
     if settings.use_wandb and to_wandb is not False:

@@ -53,6 +53,16 @@ def input_keys_of(args: Any, prefix: str = "") -> dict[str, str | None]:
     return keys
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _moe_shape(args: Any) -> tuple[int, int] | None:
+    """(num_layers, moe_router_topk): the shape of one token's routed experts, when args say both."""
+    layers, topk = getattr(args, "num_layers", None), getattr(args, "moe_router_topk", None)
+    return (int(layers), int(topk)) if layers and topk else None
+
+
 def _rewards_normalization_disabled(args: Any) -> bool:
     enabled = getattr(args, "rewards_normalization", None)  # slime: --disable-rewards-normalization stores False
     if enabled is not None:
@@ -156,6 +166,15 @@ class AgentRolloutSettings:
     - `group_filter` (`agent_group_filter`): None. "nonzero_std" (DAPO's dynamic sampling) or a dotted path
       to an `is_valid_group` function importable by the buffer; dropped groups are replaced by the buffer,
       so steps stay full, and counted as `rollout/dynamic_filter/drop_<reason>`.
+    - `dynamic_filter_path` (slime's `dynamic_sampling_filter_path`): None. slime's filter function, run
+      on every group this adapter reads, with slime's signature and `DynamicFilterOutput`
+      (`slime_adapter.dynamic_filter`); `over_sampling_batch_size` (slime's): None, else the groups one
+      read asks for at least; the surplus stays leased for the next step.
+    - `routing_replay` (slime's `use_rollout_routing_replay`), `moe_shape` (`num_layers`,
+      `moe_router_topk`): the run asks SGLang for routed experts; samples carry them in that shape.
+      `top_p` below 1 asks for top-p replay (`custom_params.return_top_p_token_ids`), as slime does.
+    - `partial_rollout` (slime's): False. Records generated under several policy versions get
+      `metadata["start_rollout_id"]` (the oldest), as slime marks samples continued across an update.
     - `read_format` (`agent_read_format`, else env `ROLLOUT_BUFFER_READ_FORMAT`): "packed". Reads ask for
       the buffer's packed binary answer: token ids and logprobs arrive as numpy arrays and samples are built
       from them without a Python object per token. "json" asks for plain JSON (to look at the wire while
@@ -204,6 +223,11 @@ class AgentRolloutSettings:
     group_filter: str | None = None
     buffer_token: str | None = field(default=None, repr=False)
     read_format: str = "packed"
+    dynamic_filter_path: str | None = None
+    over_sampling_batch_size: int | None = None
+    routing_replay: bool = False
+    moe_shape: tuple[int, int] | None = None
+    partial_rollout: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -262,6 +286,11 @@ class AgentRolloutSettings:
             buffer_token=token_from(args),
             read_format=str(_get(args, "agent_read_format", None) or os.environ.get(READ_FORMAT_ENV) or "packed")
             .strip().lower(),
+            dynamic_filter_path=_get(args, "dynamic_sampling_filter_path", None),
+            over_sampling_batch_size=_optional_int(_get(args, "over_sampling_batch_size", None)),
+            routing_replay=bool(_get(args, "use_rollout_routing_replay", False)),
+            moe_shape=_moe_shape(args),
+            partial_rollout=bool(_get(args, "partial_rollout", False)),
         )
         settings.check()
         remember_token(settings.buffer_url, settings.buffer_token)
@@ -294,6 +323,8 @@ class AgentRolloutSettings:
         if self.read_format not in READ_FORMATS:
             raise ValueError(f"agent_read_format ({READ_FORMAT_ENV}) must be one of {READ_FORMATS}, "
                              f"got {self.read_format!r}")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
+            raise ValueError(f"over_sampling_batch_size must be >= 1, got {self.over_sampling_batch_size}")
         if self.loss_mask_verify not in LOSS_MASK_VERIFY_MODES:
             raise ValueError(f"agent_loss_mask_verify must be one of {LOSS_MASK_VERIFY_MODES}, "
                              f"got {self.loss_mask_verify!r}")
@@ -305,7 +336,11 @@ class AgentRolloutSettings:
 
     def sampling_extras(self) -> dict[str, Any]:
         """slime's optional sampling settings that are set: `top_k`, `stop`, `stop_token_ids`."""
-        extras = {"top_k": self.top_k, "stop": self.stop, "stop_token_ids": self.stop_token_ids}
+        extras: dict[str, Any] = {"top_k": self.top_k, "stop": self.stop, "stop_token_ids": self.stop_token_ids}
+        if self.top_p != 1.0:  # slime asks SGLang for top-p replay whenever it samples below top_p 1
+            extras["custom_params"] = {"return_top_p_token_ids": True}
+        if self.routing_replay:  # slime's --use-rollout-routing-replay: SGLang's return_routed_experts
+            extras["return_routed_experts"] = True
         return {name: value for name, value in extras.items() if value is not None}
 
     @property

@@ -109,6 +109,7 @@ class ChatCompletionsClient(RolloutEngineSession):
                                          headers={ROUTING_HEADER: self.routing_key}, timeout_s=self.policy.timeout_s)
             finally:  # every attempt's latency; it goes to Redis with the task's finish
                 ENGINE_CALL.observe(self.stats, time.perf_counter() - started)
+                self.engine_s += time.perf_counter() - started
             parsed = parse_chat_answer(answer)
             self.stats["tokens_generated"] += parsed[2]
             return (*parsed, chat_weight_version(answer))

@@ -180,10 +180,15 @@ async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session
             if not deadline.expired():  # the task's own timeout, not ours: an ordinary failure
                 raise
             raise RolloutTimeout(f"rollout did not finish within {limit:g}s") from exc
-        turns = client.turns + await gateway.collect()  # an in-process agent's gateway turns, if any
+        gateway_turns = await gateway.collect()  # an in-process agent's gateway turns, if any
+        turns = client.turns + gateway_turns
         last_finish = turns[-1]["finish_reason"] if turns else None
+        duration = time.monotonic() - started
+        # time not spent waiting on the engine (tools, environment); the gateway's engine time is not
+        # measured here, so a rollout with gateway turns states none
+        outside = None if gateway_turns else max(0.0, duration - getattr(client, "engine_s", 0.0))
         return success_record(result, turns=turns, tools=_tools_of(client, handle), last_finish=last_finish,
-                              duration_s=time.monotonic() - started, policy_version=version(), **common)
+                              duration_s=duration, policy_version=version(), non_generation_time=outside, **common)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - any task failure becomes a failure record

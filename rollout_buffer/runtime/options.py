@@ -39,7 +39,8 @@ WEEK_S = 7 * 24 * 3600.0
 DEFAULT_MAX_NEW_TOKENS = 1024
 _INT_PARAMS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "seed"}
 _FLOAT_PARAMS = {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
-_BOOL_PARAMS = {"skip_special_tokens", "no_stop_trim", "ignore_eos", "spaces_between_special_tokens"}
+_BOOL_PARAMS = {"skip_special_tokens", "no_stop_trim", "ignore_eos", "spaces_between_special_tokens",
+                "return_routed_experts"}
 
 
 _INT_LIMIT = 2**53  # beyond this a float-typed value cannot be an exact integer

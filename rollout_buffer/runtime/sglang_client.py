@@ -29,6 +29,7 @@ from rollout_buffer.runtime.engine_http import (
     call_with_retries,
     post_once,
 )
+from rollout_buffer.runtime.engine_meta import ReplayJoin, call_meta
 from rollout_buffer.runtime.engines import EngineChoice, single
 from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.options import DEFAULT_MAX_NEW_TOKENS
@@ -40,6 +41,9 @@ from rollout_buffer.wire.versions import as_version, merge_spans
 
 log = logging.getLogger(__name__)
 ROUTING_HEADER = "X-SMG-Routing-Key"
+# A run's sampling_params key asking the engine for MoE routing replay; sent as SGLang's top-level
+# `return_routed_experts` (top-p replay goes as SGLang reads it, `custom_params.return_top_p_token_ids`).
+RETURN_ROUTED_EXPERTS = "return_routed_experts"
 
 
 def merge_sampling(defaults: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
@@ -52,7 +56,8 @@ def merge_sampling(defaults: dict[str, Any], override: dict[str, Any] | None) ->
 
 
 def parse_generate_answer(answer: dict[str, Any]) -> tuple[list[int], list[float], str, str, Any]:
-    """(output_ids, logprobs, text, finish type, weight_version) of one `/generate` answer, strictly checked."""
+    """(output_ids, logprobs, text, finish type, meta_info) of one `/generate` answer, strictly checked; the
+    engine's `weight_version` is `meta_info["weight_version"]`."""
     meta = answer.get("meta_info")
     if not isinstance(meta, dict):
         raise TransientEngineError("engine answer has no meta_info")
@@ -75,7 +80,7 @@ def parse_generate_answer(answer: dict[str, Any]) -> tuple[list[int], list[float
     text = answer.get("text")
     if not isinstance(text, str):
         raise TransientEngineError("engine answer has no text")
-    return logprob_ids, logprobs, text, str(finish_type), meta.get("weight_version")
+    return logprob_ids, logprobs, text, str(finish_type), meta
 
 
 class RolloutEngineSession:
@@ -100,6 +105,7 @@ class RolloutEngineSession:
         self.guard = HistoryGuard()
         self.clock = clock
         self.versions: list[int] = []  # the stamp of every piece that produced tokens
+        self.engine_s = 0.0  # time spent waiting on engine calls (the rest of a rollout is tools, environment)
         self.rid_prefix: str | None = None  # engine request ids start with it (default: the routing key)
 
     @property
@@ -175,6 +181,9 @@ class GenerateClient(RolloutEngineSession):
         texts: list[str] = []
         versions: list[Any] = []
         pieces: list[tuple[int | None, int]] = []
+        calls: list[dict[str, Any]] = []
+        replay = ReplayJoin(len(prompt_ids))
+        extra = {"return_routed_experts": True} if params.pop(RETURN_ROUTED_EXPERTS, False) else {}
         finish = "length"
         for piece in range(self.max_abort_continuations + 1):
             remaining = budget - len(output_ids)
@@ -183,10 +192,16 @@ class GenerateClient(RolloutEngineSession):
                 break
             # prompt ids may be a numpy array (the gateway's): sent as it is, without a Python int per token
             body = {"input_ids": [*prompt_ids, *output_ids] if output_ids else prompt_ids, "return_logprob": True,
-                    "sampling_params": {**params, "max_new_tokens": remaining}}
+                    "sampling_params": {**params, "max_new_tokens": remaining}, **extra}
             started = await self.policy_version(fresh=piece > 0)
             rid_base = f"{self.rid_prefix or self.routing_key}:{len(self.turns)}:{piece}"
-            ids, lps, text, finish, version = await self._call(body, rid_base)
+            ids, lps, text, finish, meta = await self._call(body, rid_base)
+            version = meta.get("weight_version")
+            calls.append(call_meta(meta))
+            try:
+                replay.add(meta, len(output_ids), len(ids))
+            except ValueError as exc:
+                raise TransientEngineError(f"engine replay fields: {exc}") from exc
             output_ids.extend(ids)
             logprobs.extend(lps)
             texts.append(text)
@@ -202,6 +217,8 @@ class GenerateClient(RolloutEngineSession):
                 "weight_version": oldest if oldest is not None else next((v for v in versions if v is not None), None)}
         if spans is not None:
             turn["version_spans"] = spans
+        turn["calls"] = calls
+        turn.update(replay.fields(len(output_ids)))
         return turn, "".join(texts)
 
     async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[list[int], list[float], str, str, Any]:
@@ -217,6 +234,7 @@ class GenerateClient(RolloutEngineSession):
                 raise
             finally:  # every attempt's latency, failed ones too; it goes to Redis with the task's finish
                 ENGINE_CALL.observe(self.stats, time.perf_counter() - started)
+                self.engine_s += time.perf_counter() - started
             parsed = parse_generate_answer(answer)
             self.stats["tokens_generated"] += len(parsed[0])
             return parsed

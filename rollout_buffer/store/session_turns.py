@@ -42,6 +42,12 @@ class Node:
     chain: list[int] = field(default_factory=list)  # ancestors, root first
     base: int = 0  # prompt tokens that are the parent's prompt + output (not stored with this turn)
     resolved: bool = True  # False after `unpack` until `resolve` restored the full prompt
+    # what the engine calls' meta_info said, as the runtime keeps it per turn (`Turn.calls`, replay arrays)
+    calls: list[dict[str, Any]] | None = None
+    routed_experts: np.ndarray | None = None
+    routed_experts_start_len: int | None = None
+    top_p_token_ids: np.ndarray | None = None
+    top_p_token_offsets: np.ndarray | None = None
 
     def turn(self) -> dict[str, Any]:
         """The record's `turns[]` entry (arrays: the store packs them as they are)."""
@@ -50,6 +56,14 @@ class Node:
                                 "weight_version": self.weight_version}
         if self.version_spans is not None:
             turn["version_spans"] = self.version_spans
+        if self.calls is not None:
+            turn["calls"] = self.calls
+        if self.routed_experts is not None:
+            turn["routed_experts"] = self.routed_experts
+            turn["routed_experts_start_len"] = self.routed_experts_start_len or 0
+        if self.top_p_token_ids is not None:
+            turn["top_p_token_ids"] = self.top_p_token_ids
+            turn["top_p_token_offsets"] = self.top_p_token_offsets
         return turn
 
     def pack(self) -> bytes:
@@ -58,13 +72,19 @@ class Node:
             "finish_reason": self.finish_reason, "weight_version": self.weight_version,
             "version_spans": self.version_spans, "history_len": self.history_len, "tools": self.tools,
             "fork_reason": self.fork_reason, "created_at": self.created_at, "extra": self.extra,
-            "chain": self.chain, "base": self.base})
+            "chain": self.chain, "base": self.base, "calls": self.calls,
+            "routed_experts_start_len": self.routed_experts_start_len,
+            "n_experts": None if self.routed_experts is None else len(self.routed_experts),
+            "n_top_p": None if self.top_p_token_ids is None else len(self.top_p_token_ids)})
         assert self.resolved, "pack a turn with its full prompt"
         prompt = np.ascontiguousarray(self.prompt_ids[self.base:], dtype="<i4").tobytes()
         output = np.ascontiguousarray(self.output_ids, dtype="<i4").tobytes()
         logprobs = np.ascontiguousarray(self.output_logprobs, dtype="<f8").tobytes()
+        replay = [np.ascontiguousarray(values, dtype="<i4").tobytes()
+                  for values in (self.routed_experts, self.top_p_token_ids, self.top_p_token_offsets)
+                  if values is not None]
         return b"".join((_HEADER.pack(len(header), len(prompt) // 4, len(self.output_ids)), header,
-                         prompt, output, logprobs))
+                         prompt, output, logprobs, *replay))
 
     @classmethod
     def unpack(cls, blob: bytes) -> Node:
@@ -77,8 +97,23 @@ class Node:
         output = np.frombuffer(blob, dtype="<i4", count=n_output, offset=at)
         at += 4 * n_output
         logprobs = np.frombuffer(blob, dtype="<f8", count=n_output, offset=at)
+        at += 8 * n_output
+        n_experts, n_top_p = head.pop("n_experts", None), head.pop("n_top_p", None)
+        replay: dict[str, Any] = {}
+
+        def take(count: int) -> np.ndarray:
+            nonlocal at
+            values = np.frombuffer(blob, dtype="<i4", count=count, offset=at)
+            at += 4 * count
+            return values
+
+        if n_experts is not None:
+            replay["routed_experts"] = take(n_experts)
+        if n_top_p is not None:
+            replay["top_p_token_ids"] = take(n_top_p)
+            replay["top_p_token_offsets"] = take(n_output + 1)
         return cls(prompt_ids=prompt, output_ids=output, output_logprobs=logprobs, resolved=head.get("base", 0) == 0,
-                   **head)
+                   **replay, **head)
 
 
 def resolve(nodes: dict[int, Node]) -> None:

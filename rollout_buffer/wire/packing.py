@@ -26,10 +26,14 @@ from rollout_buffer.wire.schema import TOKEN_ID_MAX
 MAGIC = b"RB1"
 _HEADER_LEN = struct.Struct("<I")
 _SWAP = sys.byteorder != "little"
-_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "finish_reason", "weight_version", "version_spans")
+_TURN_FIELDS = ("prompt_ids", "output_ids", "output_logprobs", "finish_reason", "weight_version", "version_spans",
+                "calls", "routed_experts", "routed_experts_start_len", "top_p_token_ids", "top_p_token_offsets")
 
 
 _META_KEYS = frozenset({"ext", "p", "o", "lp", "finish_reason", "weight_version"})
+# Optional per-turn keys: version spans, the engine calls' meta, and the replay arrays' sizes (`re` routed
+# expert ids from row `rs`; `tp` top-p ids, followed by `o + 1` offsets). Arrays follow the logprobs.
+_OPTIONAL_META_KEYS = frozenset({"vs", "calls", "re", "rs", "tp"})
 
 
 class PackingError(ValueError):
@@ -71,7 +75,8 @@ def pack_record(record: dict[str, Any]) -> bytes:
         turn_meta: list[dict[str, Any]] = []
         prefix: np.ndarray | None = None
         for turn in turns:
-            prompt_values, output_values, logprobs, finish_reason, weight_version, spans = _turn_values(turn)
+            (prompt_values, output_values, logprobs, finish_reason, weight_version, spans, calls, experts,
+             experts_start, top_p_ids, top_p_offsets) = _turn_values(turn)
             try:
                 prompt, output = token_array(prompt_values), token_array(output_values)
             except OverflowError as exc:
@@ -94,11 +99,71 @@ def pack_record(record: dict[str, Any]) -> bytes:
                 exact = np.array_equal(narrow, wide)  # every value is a float32 value (engines' case)
                 meta["lp"] = 4 if exact else 8
                 chunks.append((narrow if exact else wide).tobytes())
+            if calls is not None:
+                meta["calls"] = [dict(call) for call in calls]
+            chunks.extend(_pack_replay(meta, experts, experts_start, top_p_ids, top_p_offsets, len(output)))
             turn_meta.append(meta)
             prefix = np.concatenate([prompt, output])
         header["_turns"] = turn_meta
     head = orjson.dumps(header)
     return b"".join([MAGIC, _HEADER_LEN.pack(len(head)), head, *chunks])
+
+
+def _int32(values: Any, what: str) -> np.ndarray:
+    array_ = values if isinstance(values, np.ndarray) else np.asarray(values if len(values) else [], dtype=np.int64)
+    if array_.dtype.kind not in "iu" or (array_.size and (int(array_.min()) < 0 or int(array_.max()) > TOKEN_ID_MAX)):
+        raise PackingError(f"{what} must be int32 values >= 0")
+    return array_.astype("<i4", copy=False)
+
+
+def _pack_replay(meta: dict[str, Any], experts: Any, experts_start: Any, top_p_ids: Any, top_p_offsets: Any,
+                 outputs: int) -> list[bytes]:
+    """The replay arrays of one turn (routed experts, top-p ids and offsets), sizes noted in `meta`."""
+    chunks: list[bytes] = []
+    if experts is not None:
+        packed = _int32(experts, "routed_experts")
+        meta["re"], meta["rs"] = int(packed.size), int(experts_start or 0)
+        chunks.append(packed.tobytes())
+    if top_p_ids is not None:
+        ids, offsets = _int32(top_p_ids, "top_p_token_ids"), _int32(top_p_offsets, "top_p_token_offsets")
+        if offsets.size != outputs + 1:
+            raise PackingError("top_p_token_offsets must hold output_ids + 1 values")
+        meta["tp"] = int(ids.size)
+        chunks.extend([ids.tobytes(), offsets.tobytes()])
+    return chunks
+
+
+def _replay_size(meta: dict[str, Any], outputs: int) -> int:
+    """Bytes of a turn's replay arrays."""
+    size = 4 * int(meta.get("re", 0))
+    if "tp" in meta:
+        size += 4 * (int(meta["tp"]) + outputs + 1)
+    return size
+
+
+def _read_replay(view: memoryview, offset: int, meta: dict[str, Any], outputs: int, turn: dict[str, Any], *,
+                 arrays: bool) -> int:
+    """Put a turn's `calls` and replay arrays into `turn` (numpy arrays, read-only, or lists); returns the
+    offset after them."""
+    if meta.get("calls") is not None:
+        turn["calls"] = meta["calls"]
+
+    def take(count: int) -> Any:
+        nonlocal offset
+        values = _native(np.frombuffer(view[offset:offset + 4 * count], dtype="<i4"))
+        offset += 4 * count
+        if not arrays:
+            return values.tolist()
+        values.flags.writeable = False
+        return values
+
+    if "re" in meta:
+        turn["routed_experts"] = take(int(meta["re"]))
+        turn["routed_experts_start_len"] = int(meta.get("rs", 0))
+    if "tp" in meta:
+        turn["top_p_token_ids"] = take(int(meta["tp"]))
+        turn["top_p_token_offsets"] = take(outputs + 1)
+    return offset
 
 
 def read_header(blob: bytes) -> tuple[dict[str, Any], int]:
@@ -134,8 +199,9 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
     view = memoryview(blob)
     for i, meta in enumerate(metas):
         # exactly what pack_record writes, with exact types: what is accepted here is what a read unpacks
-        if not isinstance(meta, dict) or set(meta) != _META_KEYS:
-            raise PackingError(f"turn {i}: bad array metadata (keys must be {sorted(_META_KEYS)})")
+        if not isinstance(meta, dict) or not _META_KEYS <= set(meta) <= _META_KEYS | _OPTIONAL_META_KEYS:
+            raise PackingError(f"turn {i}: bad array metadata (keys must be {sorted(_META_KEYS)} and any of "
+                               f"{sorted(_OPTIONAL_META_KEYS)})")
         p, o, width, ext = meta["p"], meta["o"], meta["lp"], meta["ext"]
         if (any(type(x) is not int for x in (p, o, width)) or p < 0 or o < 0 or width not in (0, 4, 8)
                 or not isinstance(ext, bool) or (ext and i == 0)
@@ -143,8 +209,9 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
                 or type(meta["weight_version"]) not in (str, int, type(None))):
             raise PackingError(f"turn {i}: bad array metadata")
         _check_spans(i, meta.get("vs"), o)
+        _check_replay_meta(i, meta)
         end = offset + 4 * (p + o) + width * o
-        if end > len(blob):
+        if end + _replay_size(meta, o) > len(blob):
             raise PackingError(f"turn {i}: arrays run past the end of the record")
         ids = np.frombuffer(view[offset : offset + 4 * (p + o)], dtype="<i4")
         if ids.size and int(ids.min()) < 0:
@@ -154,8 +221,29 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
             if np.isnan(logprobs).any() or np.isposinf(logprobs).any():
                 raise PackingError(f"turn {i}: output_logprobs must be finite numbers (or -inf)")
         offset = end
+        if "tp" in meta:
+            offsets = np.frombuffer(view[offset + 4 * (meta.get("re", 0) + meta["tp"]):
+                                         offset + _replay_size(meta, o)], dtype="<i4")
+            if int(offsets[0]) != 0 or int(offsets[-1]) != meta["tp"] or bool((np.diff(offsets) < 0).any()):
+                raise PackingError(f"turn {i}: top-p offsets must run from 0 to the id count, never decreasing")
+        replay = np.frombuffer(view[offset:offset + _replay_size(meta, o)], dtype="<i4")
+        if replay.size and int(replay.min()) < 0:
+            raise PackingError(f"turn {i}: negative replay value")
+        offset += _replay_size(meta, o)
     if offset != len(blob):
         raise PackingError(f"packed record has {len(blob) - offset} trailing bytes")
+
+
+def _check_replay_meta(index: int, meta: dict[str, Any]) -> None:
+    """The optional replay keys: counts are ints >= 0, `rs` only with `re`, `calls` a list of objects."""
+    for key in ("re", "rs", "tp"):
+        if key in meta and (type(meta[key]) is not int or meta[key] < 0):
+            raise PackingError(f"turn {index}: bad {key!r}")
+    if "rs" in meta and "re" not in meta:
+        raise PackingError(f"turn {index}: 'rs' without 're'")
+    calls = meta.get("calls")
+    if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+        raise PackingError(f"turn {index}: 'calls' must be a list of objects")
 
 
 def _check_spans(index: int, spans: Any, outputs: int) -> None:
@@ -206,6 +294,7 @@ def unpack_record(blob: bytes) -> dict[str, Any]:
                 "finish_reason": meta["finish_reason"], "weight_version": meta["weight_version"]}
         if meta.get("vs") is not None:
             turn["version_spans"] = meta["vs"]
+        offset = _read_replay(view, offset, meta, meta["o"], turn, arrays=False)
         turns.append(turn)
         prefix = prompt + output
     if offset != len(blob):
@@ -245,7 +334,7 @@ def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, An
     view = memoryview(blob)
     id_bytes: list[memoryview] = []
     lp_bytes: list[tuple[memoryview, str]] = []
-    layout: list[tuple[int, int, bool, int]] = []  # per turn: stored prompt tail, outputs, ext, logprob width
+    layout: list[tuple[int, int, bool, int, int]] = []  # per turn: prompt tail, outputs, ext, logprob width, replay at
     position = offset
     for i, meta in enumerate(metas):
         try:
@@ -255,13 +344,17 @@ def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, An
         if p < 0 or o < 0 or width not in (0, 4, 8) or (ext and i == 0):
             raise PackingError(f"turn {i}: bad array metadata")
         end = position + 4 * (p + o) + width * o
-        if end > len(blob):
+        try:
+            replay = _replay_size(meta, o)
+        except (TypeError, ValueError) as exc:
+            raise PackingError(f"turn {i}: bad replay metadata ({exc})") from exc
+        if end + replay > len(blob):
             raise PackingError(f"turn {i}: arrays run past the end of the record")
         id_bytes.append(view[position:position + 4 * (p + o)])
         if width:
             lp_bytes.append((view[position + 4 * (p + o):end], "<f4" if width == 4 else "<f8"))
-        layout.append((p, o, ext, width))
-        position = end
+        layout.append((p, o, ext, width, end))
+        position = end + replay
     if position != len(blob):
         raise PackingError(f"packed record has {len(blob) - position} trailing bytes")
     ids = _native(np.frombuffer(b"".join(id_bytes), dtype="<i4"))  # one copy of all ids, one array
@@ -275,7 +368,7 @@ def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, An
     logprobs.flags.writeable = False
     turns: list[dict[str, Any]] = []
     start = at = lp_at = 0  # where the current history began, the next turn's ids, its logprobs
-    for meta, (p, o, ext, width) in zip(metas, layout):
+    for meta, (p, o, ext, width, replay_at) in zip(metas, layout):
         if not ext:
             start = at
         turn = {"prompt_ids": ids[start:at + p], "output_ids": ids[at + p:at + p + o],
@@ -283,6 +376,7 @@ def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, An
                 "finish_reason": meta.get("finish_reason"), "weight_version": meta.get("weight_version")}
         if meta.get("vs") is not None:
             turn["version_spans"] = meta["vs"]
+        _read_replay(view, replay_at, meta, o, turn, arrays=True)
         turns.append(turn)
         at += p + o
         lp_at += o if width else 0

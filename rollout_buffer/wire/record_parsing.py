@@ -26,6 +26,9 @@ from rollout_buffer.wire.packing import PackingError, token_array
 from rollout_buffer.wire.schema import MAX_BATCH_RECORDS, BatchWriteRequest, TrajectoryRecord
 
 _local = threading.local()
+# Turn fields the fast path leaves to the model: version spans, engine calls' meta, replay arrays.
+_MODEL_TURN_KEYS = ("version_spans", "calls", "routed_experts", "routed_experts_start_len", "top_p_token_ids",
+                    "top_p_token_offsets")
 
 
 @dataclass(slots=True)
@@ -87,8 +90,9 @@ def _ids(turn: simdjson.Object, key: str) -> np.ndarray:
 def _turn(turn: Any) -> ArrayTurn:
     if not isinstance(turn, simdjson.Object):
         raise _Unusual("turn")
-    if turn.get("version_spans") is not None:  # rare in an HTTP write (workers stamp them): the model's rules
-        raise _Unusual("version_spans")
+    for key in _MODEL_TURN_KEYS:  # rare in an HTTP write (workers record them): the model's rules
+        if turn.get(key) is not None:
+            raise _Unusual(key)
     prompt, output = _ids(turn, "prompt_ids"), _ids(turn, "output_ids")
     raw = turn.get("output_logprobs")
     logprobs = None

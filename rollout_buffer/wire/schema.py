@@ -16,6 +16,23 @@ TOKEN_ID_MAX = 2**31 - 1  # ids are stored as int32
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 
 
+# The per-call `meta_info` fields a turn keeps (`Turn.calls`), as SGLang names them.
+CALL_META_KEYS: frozenset[str] = frozenset({
+    "weight_version", "prompt_tokens", "cached_tokens", "completion_tokens",
+    "spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct",
+})
+
+
+def check_top_p(num_ids: int, offsets: Any, num_outputs: int) -> None:
+    """Top-p replay offsets: `num_outputs + 1` values from 0 to `num_ids`, never decreasing."""
+    if len(offsets) != num_outputs + 1:
+        raise ValueError(f"turns[].top_p_token_offsets has {len(offsets)} values, output_ids + 1 is {num_outputs + 1}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != num_ids:
+        raise ValueError("turns[].top_p_token_offsets must start at 0 and end at len(top_p_token_ids)")
+    if any(int(b) < int(a) for a, b in zip(offsets[:-1], offsets[1:])):
+        raise ValueError("turns[].top_p_token_offsets must not decrease")
+
+
 class Turn(BaseModel):
     """One engine call, token-exact: what the model saw and what it sampled."""
 
@@ -29,6 +46,33 @@ class Turn(BaseModel):
     # `[[version, output tokens], ...]` over output_ids, when the turn was generated under more than one
     # policy version (an abort continued under a new one); `weight_version` is then the oldest.
     version_spans: list[tuple[int | None, int]] | None = None
+    # One small dict per engine call of the turn (an aborted generation continued is several calls): what
+    # SGLang's `meta_info` said that a trainer reads, `weight_version` (the engine's own string),
+    # `prompt_tokens`, `cached_tokens`, `completion_tokens` and the `spec_*` counters (see CALL_META_KEYS).
+    calls: list[dict[str, Any]] | None = None
+    # MoE routing replay (SGLang's `return_routed_experts`): int32 expert ids, flat, rows of
+    # `num_layers * topk` for the tokens `[routed_experts_start_len, len(prompt_ids) + len(output_ids) - 1)`.
+    routed_experts: list[int] | None = None
+    routed_experts_start_len: int | None = Field(default=None, ge=0)
+    # Top-p replay (SGLang's `return_top_p_token_ids`): the kept ids of output token i are
+    # `top_p_token_ids[top_p_token_offsets[i]:top_p_token_offsets[i + 1]]`.
+    top_p_token_ids: list[int] | None = None
+    top_p_token_offsets: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _replay_fields(self) -> "Turn":
+        if self.calls is not None:
+            for call in self.calls:
+                if not isinstance(call, dict) or set(call) - CALL_META_KEYS:
+                    raise ValueError(f"turns[].calls entries are objects with keys among {sorted(CALL_META_KEYS)}")
+        experts = self.routed_experts
+        if experts and (min(experts) < 0 or max(experts) > TOKEN_ID_MAX):
+            raise ValueError("turns[].routed_experts must be int32 expert ids >= 0")
+        if (self.top_p_token_ids is None) != (self.top_p_token_offsets is None):
+            raise ValueError("turns[].top_p_token_ids and top_p_token_offsets come together")
+        if self.top_p_token_offsets is not None and self.top_p_token_ids is not None:
+            check_top_p(len(self.top_p_token_ids), self.top_p_token_offsets, len(self.output_ids))
+        return self
 
     @model_validator(mode="after")
     def _spans_cover_outputs(self) -> "Turn":

@@ -92,7 +92,9 @@ def test_start_payload_is_slimes_and_skips_the_union_of_metadata(tmp_path: Path)
     assert payload == {
         "num_process": "4", "num_epoch": "1", "remote_engine_url": "http://h:9", "remote_buffer_url": "http://x:1",
         "task_type": "external", "input_file": str(tmp_path / "in.jsonl"), "num_repeat_per_sample": "2",
-        "max_tokens": "64", "sampling_params": {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9},
+        "max_tokens": "64", "sampling_params": {"max_tokens": 64, "temperature": 0.7, "top_p": 0.9,
+                                                # slime asks SGLang for top-p replay below top_p 1
+                                                "custom_params": {"return_top_p_token_ids": True}},
         "tokenizer_path": "/tok", "skip_instance_ids": ["i1", "i2", "i2", "7"], "skip_groups": ["1:i1", "0:i3"],
     }
     with pytest.raises(ValueError, match="prompt_data"):

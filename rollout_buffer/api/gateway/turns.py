@@ -58,6 +58,18 @@ class TurnAnswer:
         return self.node.finish_reason
 
 
+def replay_fields(turn: dict[str, Any]) -> dict[str, Any]:
+    """What the runtime's engine client kept of the calls' meta_info (`Turn.calls`, the replay arrays)."""
+    fields: dict[str, Any] = {"calls": turn.get("calls")}
+    if turn.get("routed_experts") is not None:
+        fields["routed_experts"] = np.asarray(turn["routed_experts"], dtype=np.int32)
+        fields["routed_experts_start_len"] = int(turn.get("routed_experts_start_len") or 0)
+    if turn.get("top_p_token_ids") is not None:
+        fields["top_p_token_ids"] = np.asarray(turn["top_p_token_ids"], dtype=np.int32)
+        fields["top_p_token_offsets"] = np.asarray(turn["top_p_token_offsets"], dtype=np.int32)
+    return fields
+
+
 def sampling_for(ctx: RunContext, client: dict[str, Any]) -> dict[str, Any]:
     """The run's sampling parameters win (they define the policy being trained); a client's value is used
     where the run sets none, and the smaller of the two token limits applies."""
@@ -147,6 +159,7 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
                 finish_reason=str(turn["finish_reason"]), weight_version=turn.get("weight_version"),
                 version_spans=turn.get("version_spans"), history_len=len(messages), tools=tools, fork_reason=fork,
                 created_at=time.time(), extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {},
+                **replay_fields(turn),
                 chain=[] if parent is None else [*parent.chain, parent.index],
                 base=0 if parent is None else len(parent.prompt_ids) + len(parent.output_ids))
     counters = {"gateway_turns": 1, "gateway_prompt_tokens": len(prompt), "gateway_output_tokens": len(node.output_ids)}

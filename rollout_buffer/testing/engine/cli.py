@@ -15,7 +15,7 @@ from rollout_buffer.testing.tokenizer import TEMPLATES
 
 # EngineConfig fields settable from the command line (all of them but the one-shot fault counts)
 _KNOBS = ("seed", "latency_s", "latency_jitter_s", "p_correct", "noise_tokens", "error_rate", "abort_rate",
-          "hang_rate", "malformed_rate", "weight_version")
+          "hang_rate", "malformed_rate", "weight_version", "spec_draft_tokens", "moe_layers", "moe_topk", "moe_experts")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -29,6 +29,12 @@ class EngineConfig:
     hang_next: int = 0
     malformed_next: int = 0
     weight_version: str = "default"
+    # what SGLang adds for RL trainers (see rollout_buffer.testing.engine.replay)
+    spec_draft_tokens: int = 0
+    moe_layers: int = 2
+    moe_topk: int = 2
+    moe_experts: int = 8
+    routed_experts_from_cache: bool = False
 
     def update(self, values: dict[str, Any]) -> None:
         """Apply validated changes; unknown keys or bad values raise ValueError."""
@@ -48,7 +54,8 @@ class EngineConfig:
 
 
 _FLOAT_KEYS = {"latency_s", "latency_jitter_s", "p_correct", "error_rate", "abort_rate", "hang_rate", "malformed_rate"}
-_INT_KEYS = {"seed", "fail_next", "abort_next", "hang_next", "malformed_next"}
+_INT_KEYS = {"seed", "fail_next", "abort_next", "hang_next", "malformed_next", "spec_draft_tokens", "moe_layers",
+             "moe_topk", "moe_experts"}
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -71,4 +78,8 @@ def _coerce(key: str, value: Any) -> Any:
         if not 0 <= low <= high:
             raise ValueError(f"noise_tokens must be 0 <= low <= high, got {value!r}")
         return (low, high)
+    if key == "routed_experts_from_cache":
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false")
+        return value
     return str(value)

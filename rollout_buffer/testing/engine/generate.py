@@ -2,7 +2,8 @@
 
 Single prompts and batches (a list of id lists or texts, with a list of rids), `sampling_params` as
 SGLang reads them, and SGLang's answer shape: `text`, `output_ids`, and `meta_info` with `id`,
-`finish_reason`, token counts, `weight_version` and, when asked, `output_token_logprobs`.
+`finish_reason`, token counts, `weight_version`, `cached_tokens` and, when asked, `output_token_logprobs`
+and the replay fields of `replay.py`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_buffer.testing.engine.http_server import BadRequest
 from rollout_buffer.testing.engine.output import Result
+from rollout_buffer.testing.engine.replay import replay_meta
 
 if TYPE_CHECKING:
     from rollout_buffer.testing.engine.server import TestEngine
@@ -40,7 +42,13 @@ async def build_generate(engine: TestEngine, body: dict[str, Any], fault: str) -
     else:  # no task per request for the common case
         results = [await engine.generate_one(prompts[0], params, rid_list[0], fault)]
     weight_version = engine.config.weight_version
-    outputs = [_payload(r, want_logprob, weight_version) for r in results]
+    outputs = []
+    for result in results:
+        cached = engine.prefix_cache.cached(result.prompt_ids)
+        extra = replay_meta(engine.config, body, params, result.prompt_ids, result.output_ids, cached,
+                            engine.codec.vocab_size)
+        engine.prefix_cache.add(result.prompt_ids + result.output_ids)
+        outputs.append(_payload(result, want_logprob, weight_version, extra))
     return outputs if batch else outputs[0]
 
 
@@ -61,14 +69,14 @@ def _prompts_of(tokenizer: Any, body: dict[str, Any]) -> tuple[bool, list[list[i
     raise BadRequest("either input_ids or text must be provided")
 
 
-def _payload(result: Result, want_logprob: bool, weight_version: str) -> dict[str, Any]:
+def _payload(result: Result, want_logprob: bool, weight_version: str, extra: dict[str, Any]) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": len(result.prompt_ids),
         "completion_tokens": len(result.output_ids),
-        "cached_tokens": 0,
         "weight_version": weight_version,
+        **extra,
     }
     if want_logprob:
         meta["output_token_logprobs"] = [

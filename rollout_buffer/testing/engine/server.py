@@ -34,6 +34,7 @@ from rollout_buffer.testing.engine.output import (
     output_text,
 )
 from rollout_buffer.testing.engine.policy import ScriptedPolicy
+from rollout_buffer.testing.engine.replay import PrefixCache
 from rollout_buffer.testing.engine.stats import EngineStats
 from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
 
@@ -78,6 +79,7 @@ class TestEngine:
         self.config = config or EngineConfig()
         self.config.update(config_values)
         self.codec = codec_for(tokenizer)
+        self.prefix_cache = PrefixCache()
         self.eos_id: int = int(tokenizer.eos_token_id)
         self.stop_ids: set[int] = {self.eos_id}
         if tokenizer.pad_token_id is not None:
