@@ -42,6 +42,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:lines                hash   line index -> instance_id, in file order (runs that extend the stream)
     rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
     rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
+    rb:{R}:replica_barrier      string written before WAIT (--redis-wait-replicas); expires after a minute
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
@@ -169,6 +170,10 @@ def run_keys(run_id: str) -> list[str]:
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
         stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
         group_version, group_generation, group_started, lines, read_log, timeline)]
+
+
+def replica_barrier(run_id: str) -> str:
+    return f"{_tag(run_id)}:replica_barrier"
 
 
 def remote(rollout_id: str) -> str:
