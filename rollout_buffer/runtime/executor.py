@@ -138,7 +138,7 @@ async def execute(handle: RunHandle, job: Job, *, store: Store, session: aiohttp
         final = "skipped"
     else:
         final = "failed" if record["status"] == "failed" else "done"
-        stats[f"epoch_done:{task.epoch}"] += 1  # per-epoch progress (dashboard)
+        stats[f"epoch_done:{job.epoch}"] += 1  # per-epoch progress (dashboard)
     await queue.finish(job, final, dict(stats))
     return final
 
