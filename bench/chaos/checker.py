@@ -25,7 +25,8 @@ GROWTH_LIMIT = 1.5  # the run's last third may use at most this much more than i
 GROWTH_SLACK = 64 * 2**20
 
 VIOLATIONS = ("trained_twice", "group_lost", "round_unfinished", "not_token_exact", "ack_write_lost",
-              "read_twice", "api_rss", "redis_memory", "harness_error")
+              "read_twice", "session_lost", "session_read_twice", "session_not_token_exact", "agent_gave_up",
+              "api_rss", "redis_memory", "harness_error")
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RoundHistory:
     acknowledged: set[str]
     read: Counter[str]
     reader_done: bool
+    agents: Any = None  # bench.chaos.agents.GatewayAgents of the round, when gateway sessions ran
 
     def steps(self) -> list[dict[str, Any]]:
         path = self.workdir / "steps.jsonl"
@@ -129,6 +131,8 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
         trained_groups += sum(lineage.values())
         steps += len(history.steps())
         sample_count += sum(len(g[2]) for step in history.steps() for g in step["groups"])
+        if history.agents is not None:
+            _check_sessions(history, flag)
     flag("harness_error", len(scheduler.errors), "; ".join(scheduler.errors[:1]))
     memory = _memory(services, seconds, violations, examples)
     faults = _faults(scheduler, services, rounds)
@@ -141,7 +145,39 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
               "groups trained (checkpointed)": trained_groups,
               "external writes acknowledged": sum(len(h.acknowledged) for h in rounds),
               "external records read": sum(sum(h.read.values()) for h in rounds)}
+    agents = [h.agents for h in rounds if h.agents is not None]
+    if agents:
+        counts.update({"gateway sessions finished": sum(len(a.finished) for a in agents),
+                       "gateway turns": sum(a.turns for a in agents),
+                       "gateway records read": sum(sum(a.reader.uids().values()) for a in agents)})
     return Report(seed, seconds, faults, counts, violations, examples, memory)
+
+
+def turn_problems(record: dict[str, Any]) -> list[str]:
+    """Why a record's turns are not token-exact: each turn's prompt must extend the previous turn's prompt
+    and output exactly, with one logprob per output token."""
+    turns, uid = record.get("turns") or [], record.get("uid")
+    if not turns:
+        return [f"{uid}: no turns"]
+    problems = [f"{uid}: turn {i}: {len(t['output_logprobs'])} logprobs for {len(t['output_ids'])} tokens"
+                for i, t in enumerate(turns) if len(t["output_logprobs"]) != len(t["output_ids"])]
+    for i in range(1, len(turns)):
+        head = turns[i - 1]["prompt_ids"] + turns[i - 1]["output_ids"]
+        if turns[i]["prompt_ids"][:len(head)] != head or len(turns[i]["prompt_ids"]) <= len(head):
+            problems.append(f"{uid}: turn {i}'s prompt does not extend turn {i - 1}'s prompt and output")
+    return problems
+
+
+def _check_sessions(history: RoundHistory, flag: Any) -> None:
+    agents, name = history.agents, history.workdir.name
+    read = agents.reader.uids()
+    lost = set(agents.finished) - set(read)
+    flag("session_lost", len(lost), f"{name}: finished, never read: {sorted(lost)[:3]}")
+    doubled = [u for u, n in read.items() if n > 1]
+    flag("session_read_twice", len(doubled), f"{name}: {doubled[:3]}")
+    problems = [p for r in agents.reader.received if r.get("status") != "failed" for p in turn_problems(r)]
+    flag("session_not_token_exact", len(problems), f"{name}: {problems[:2]}")
+    flag("agent_gave_up", len(agents.errors), f"{name}: {agents.errors[:1]}")
 
 
 def _faults(scheduler: FaultScheduler, services: Services, rounds: list[RoundHistory]) -> Counter[str]:

@@ -47,9 +47,11 @@ class ChaosConfig:
     repeats: int = 2
     batch: int = 2  # groups per trainer step
     external_records: int = 120
+    gateway: bool = False  # agents through gateway sessions (needs rollout_buffer.gateway)
+    gateway_instances: int = 3
     finish_s: float = 180.0  # after the faults stop, how long the last round may take to finish
-    min_gap_s: float = 0.5
-    max_gap_s: float = 2.5
+    min_gap_s: float = 0.3  # seeded gaps between faults
+    max_gap_s: float = 1.5
 
 
 @dataclass
@@ -160,6 +162,7 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                 config_path.write_text(json.dumps(_trainer_config(cfg, services, round_no, prompt_file)))
                 lives = TrainerLives(workdir, config_path)
                 writer, reader = _external_stream(services, workdir, round_no, cfg.external_records)
+                agents = _gateway_agents(cfg, services, round_no) if cfg.gateway else None
                 current.update(lives=lives, run_id=f"chaos-{cfg.seed}-{round_no}")
                 finish_by = started + cfg.seconds + cfg.finish_s
                 while not lives.done() and time.monotonic() < finish_by:
@@ -171,6 +174,9 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                 while len(writer.acknowledged) < len(writer.records) and time.monotonic() < finish_by:
                     time.sleep(0.1)
                 reader_done = _drain(reader, writer, finish_by)
+                if agents is not None:
+                    agents.done.wait(max(0.0, finish_by - time.monotonic()))
+                    agents.stop_reading(max(1.0, finish_by - time.monotonic()))
                 if not lives.done():
                     lives.kill()
                     lives.crashes.append(_diagnosis(services, f"chaos-{cfg.seed}-{round_no}"))
@@ -178,7 +184,7 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                                                                       for r in arithmetic_rows(cfg.prompts)},
                                            lives=lives.lives, trainer_kills=lives.kills, crashes=lives.crashes,
                                            finished=lives.done(), acknowledged=set(writer.acknowledged),
-                                           read=reader.uids(), reader_done=reader_done))
+                                           read=reader.uids(), reader_done=reader_done, agents=agents))
                 round_no += 1
             scheduler.stop.set()
             faults.join(timeout=120)
@@ -186,6 +192,15 @@ def run_chaos(cfg: ChaosConfig) -> Report:
     finally:
         if cluster is not None:
             cluster.stop()
+
+
+def _gateway_agents(cfg: ChaosConfig, services: Services, round_no: int) -> Any:
+    from bench.chaos.agents import GatewayAgents  # the openai SDK is needed only here
+
+    assert services.server is not None
+    return GatewayAgents(services.server.url, services.engine.url, str(qwen_tokenizer_dir("qwen2.5")),
+                         f"gateway-{cfg.seed}-{round_no}", instances=cfg.gateway_instances, repeats=cfg.repeats,
+                         deadline_s=cfg.seconds + cfg.finish_s).start()
 
 
 def _drain(reader: LeasedReader, writer: RetryingWriter, finish_by: float) -> bool:
