@@ -100,7 +100,7 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
                     f"{r['baseline_calls_per_s']:.0f} calls/s bare client ({r['ideal_calls_per_s']:.0f} ideal)",
                     r["ratio"], ">= 0.9x, RSS <= 600 MB", ok,
                     "the runtime's CPU per engine call (chat template, tokens, HTTP, records) on cores shared with "
-                    "the engine; the ratio moves with the machine's load (README)")]
+                    "the engine; the ratio moves with the machine's load (bench/README.md)")]
     if name == "sample_building":
         return [
             Row("sample building, message path", f"{r['message_per_s']:.0f} samples/s",

@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="folder that input_file and local tokenizer_path may name (repeatable; "
                               "default: the directory the server started in)")
     network.add_argument("--allow-url", action="append",
-                         help="URL prefix the server may call: engines, /init server_url and its callback "
-                              "(repeatable; default: any)")
+                         help="URL prefix the server may call or hand a task module: engines, a slime-style "
+                              "module's remote_buffer_url, /init server_url and its callback (repeatable; "
+                              "default: any; the list: rollout_buffer/security/outbound.py)")
     network.add_argument("--max-tasks-per-run", type=int,
                          help="largest lines x num_epoch x num_repeat_per_sample of one run (default 10000000)")
 
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--processes", dest="worker_processes", type=int,
                         help="worker processes (default: one per core, at most 8)")
     worker.add_argument("--workers", type=int, help="rollout loops per worker process (default 1)")
+    worker.add_argument("--allow-url", action="append",
+                        help="URL prefix this worker's rollouts may call (repeatable; default: any): a run whose "
+                             "engines lie outside is left alone, as `serve --allow-url` refuses it")
 
     sub.add_parser("status", help="show runs, progress and rates of a running buffer (--watch to follow)",
                    add_help=False)

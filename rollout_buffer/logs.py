@@ -8,7 +8,8 @@ noise that every process (and the demo) would print first; it is dropped, and on
 from __future__ import annotations
 
 import logging
-import re
+
+from rollout_buffer.security.redaction import install_redaction
 
 TORCH_NOTICE = "PyTorch was not found."
 
@@ -29,27 +30,8 @@ def hide_torch_notice() -> None:
         logger.addFilter(_DropTorchNotice())
 
 
-_QUERY_TOKEN = re.compile(r"([?&]token=)[^&\s]*")
-
-
-class _RedactQueryToken(logging.Filter):
-    """Replaces the value of a `token` query parameter (the dashboard's `/?token=`) in uvicorn's access log
-    lines, so the secret never reaches a log file."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(_QUERY_TOKEN.sub(r"\1<redacted>", a) if isinstance(a, str) else a
-                                for a in record.args)
-        return True
-
-
-def redact_query_tokens() -> None:
-    """Install the redaction on uvicorn's access logger; calling it again adds nothing."""
-    logger = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, _RedactQueryToken) for f in logger.filters):
-        logger.addFilter(_RedactQueryToken())
-
-
 def configure_logging(level: str) -> None:
-    """The root logger's level and format for `serve` and `worker`."""
+    """The root logger's level and format for `serve` and `worker`, with secrets redacted from every record
+    (`rollout_buffer.security.redaction`): a task module's HTTP client logs the capability URL it posts to."""
+    install_redaction()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -212,6 +213,8 @@ def render(data: dict[str, Any], url: str) -> RenderableType:
     return Group(*parts)
 
 
+_PIPE_MAX_WIDTH = 1000  # a piped line is never wider than this
+
 # ---- command --------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl+C")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
     return parser
+
+
+def show(console: Console, renderable: RenderableType) -> None:
+    """Print `renderable`; on a pipe or a file at its natural width, so no value is cut to the 80 columns
+    rich assumes there (a terminal gets its own width)."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    wide = console.options.update_width(_PIPE_MAX_WIDTH)
+    width = Measurement.get(console, wide, renderable).maximum
+    console.width = max(1, min(width, _PIPE_MAX_WIDTH))  # print(width=...) is capped by the console's width
+    console.print(renderable)
 
 
 def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> int:
@@ -241,7 +256,7 @@ def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> 
                     live.update(view(), refresh=True)
         else:
             while True:
-                console.print(view())
+                show(console, view())
                 console.rule()
                 time.sleep(interval_s)
     except KeyboardInterrupt:
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch:
         return watch(console, args.url, args.run_id, args.interval)
     try:
-        console.print(render(fetch(args.url, args.run_id), args.url))
+        show(console, render(fetch(args.url, args.run_id), args.url))
     except StatusError as exc:
         Console(stderr=True).print(Text(str(exc), style="red"))
         return 1

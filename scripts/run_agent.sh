@@ -10,6 +10,10 @@
 #   --rollout-function-path slime_adapter.agent_rollout.generate_rollout
 #   --rollout-buffer-url $ROLLOUT_BUFFER_URL   (slime's own flag; slime's parser ignores other spellings)
 #   --loss-mask-type $LOSS_MASK_TYPE
+# The buffer reads each run's input file itself, so its input roots (--input-root, README "Input roots";
+# printed at start) are the working directory, the folders of the training command's --prompt-data and
+# --eval-prompt-data files and its --hf-checkpoint folder (whose tokenizer the buffer loads), each as
+# `--flag value` or `--flag=value`, and any folders in ROLLOUT_BUFFER_INPUT_ROOT.
 # The buffer is stopped when training ends, fails or is interrupted; the exit status is training's
 # (130 / 143 after SIGINT / SIGTERM, 1 when the buffer does not come up).
 #
@@ -45,6 +49,37 @@ STOP_TIMEOUT_S="${STOP_TIMEOUT_S:-30}"
 mkdir -p "$ROLLOUT_BUFFER_DATA_DIR"
 ROLLOUT_BUFFER_LOG="${ROLLOUT_BUFFER_LOG:-$ROLLOUT_BUFFER_DATA_DIR/buffer.log}"
 export ROLLOUT_BUFFER_URL
+
+input_roots=()
+add_root() {  # a folder, made absolute, once
+    local dir="$1" root
+    if [[ -d "$dir" ]]; then dir="$(cd -- "$dir" && pwd)"; elif [[ "$dir" != /* ]]; then dir="$PWD/$dir"; fi
+    for root in "${input_roots[@]}"; do [[ "$root" == "$dir" ]] && return 0; done
+    input_roots+=("$dir")
+}
+add_root "$PWD"
+if [[ -n "${ROLLOUT_BUFFER_INPUT_ROOT:-}" ]]; then  # the flags below would override the variable: keep its folders
+    IFS=':' read -r -a env_roots <<< "$ROLLOUT_BUFFER_INPUT_ROOT"
+    for dir in "${env_roots[@]}"; do [[ -z "$dir" ]] || add_root "$dir"; done
+fi
+# slime: --prompt-data PATH; --eval-prompt-data PATH or NAME PATH [NAME PATH ...] (a name adds the working dir);
+# --hf-checkpoint DIR (the folder itself: the buffer loads the run's tokenizer from it)
+i=0
+while ((i < ${#train[@]})); do
+    arg="${train[i]}"; i=$((i + 1))
+    case "$arg" in
+        --prompt-data=*|--eval-prompt-data=*) add_root "$(dirname -- "${arg#*=}")" ;;
+        --hf-checkpoint=*) add_root "${arg#*=}" ;;
+        --prompt-data) if ((i < ${#train[@]})); then add_root "$(dirname -- "${train[i]}")"; i=$((i + 1)); fi ;;
+        --hf-checkpoint) if ((i < ${#train[@]})); then add_root "${train[i]}"; i=$((i + 1)); fi ;;
+        --eval-prompt-data)
+            while ((i < ${#train[@]})) && [[ "${train[i]}" != -* ]]; do
+                add_root "$(dirname -- "${train[i]}")"; i=$((i + 1))
+            done ;;
+    esac
+done
+for dir in "${input_roots[@]}"; do BUFFER_SERVE+=(--input-root "$dir"); done
+echo "run_agent: the buffer's input roots: ${input_roots[*]}" >&2
 
 case "$BUFFER_HOST" in
     127.*|localhost|::1|\[::1\]) loopback=1 ;;

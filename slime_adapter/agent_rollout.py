@@ -54,6 +54,7 @@ from slime_adapter.buffer_client import (
 )
 from slime_adapter.build import BuildStats, build_group_samples
 from slime_adapter.evaluation import evaluate
+from slime_adapter.lease_renewal import LeaseKeeper
 from slime_adapter.metrics import log_raw_info
 from slime_adapter.outputs import slime_outputs_available, train_output
 from slime_adapter.run_health import RunFailedError, RunHealth, raise_if_exhausted
@@ -111,7 +112,7 @@ class SampleBuildError(RuntimeError):
 class AgentRolloutState:
     """What survives between trainer steps in this process: whether the run was started, its id, and the
     leased batches whose samples are in the data buffer but whose acknowledgement has not reached the
-    buffer yet (sent with the next read)."""
+    buffer yet (sent with the next read), and the task renewing their leases meanwhile."""
 
     started: bool = False
     run_id: str | None = None
@@ -119,6 +120,7 @@ class AgentRolloutState:
     next_group_index: int = 0
     pending_acks: list[str] = field(default_factory=list)
     health: RunHealth = field(default_factory=RunHealth)
+    leases: LeaseKeeper = field(default_factory=LeaseKeeper)
 
 
 _STATE = AgentRolloutState()
@@ -132,6 +134,7 @@ def get_state() -> AgentRolloutState:
 def reset_state() -> AgentRolloutState:
     """Forget the started run, as a fresh trainer process would (the next step calls /start_rollout again)."""
     global _STATE
+    _STATE.leases.stop()
     _STATE = AgentRolloutState()
     return _STATE
 
@@ -351,11 +354,15 @@ async def _collect(step: _Step, need_groups: int, min_groups: int | None = None)
             _check_acks(meta)
         if records or meta.get("finished_groups"):
             failures = 0
+            # acknowledged even when building fails (its keys are in the metadata: the batch is consumed);
+            # its lease is renewed meanwhile, so building may take longer than the lease
+            if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
+                state.pending_acks.append(str(meta["batch_id"]))
+                state.leases.keep(settings.buffer_url, settings.lease_s,
+                                  lambda: (state.run_id, list(state.pending_acks)))
             try:
-                step.accept(records, meta)
-            finally:  # its keys are in the metadata even when building failed: the batch is consumed
-                if meta.get("batch_id"):  # a buffer without leases (slime's own) hands over at once
-                    state.pending_acks.append(str(meta["batch_id"]))
+                await asyncio.to_thread(step.accept, records, meta)  # the loop keeps renewing meanwhile
+            finally:
                 batch_id = _new_batch_id()
             state.health.observe(meta)
             await state.health.check(settings.buffer_url, state.run_id, settings.max_failed_groups, where)

@@ -367,10 +367,13 @@ async def fetch_rollout_data(api_base_url: str, num: int | None = None, timeout:
 
 
 async def ack_batches(api_base_url: str, batch_ids: list[str], *, run_id: str | None, timeout: float = 30.0,
-                      attempts: int = 5, backoff_s: float = 0.5) -> dict[str, str]:
+                      attempts: int = 5, backoff_s: float = 0.5, renew: bool = False) -> dict[str, str]:
     """`POST /ack` the leased batches (retried: acknowledging is idempotent); returns batch id -> outcome
-    (`acked`, `already_acked`, `expired`, `unknown`). Raises after `attempts` failed tries."""
+    (`acked`, `already_acked`, `expired`, `unknown`). Raises after `attempts` failed tries. With `renew`
+    the leases are renewed instead (`renewed` for each one the buffer still holds for this reader)."""
     payload: dict[str, Any] = {"batch_ids": list(batch_ids)}
+    if renew:
+        payload["renew"] = True
     if run_id is not None:
         payload["run_id"] = run_id
     retrying = tenacity.AsyncRetrying(

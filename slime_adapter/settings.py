@@ -144,7 +144,8 @@ class AgentRolloutSettings:
       adapter acknowledges them (once their samples are in the data buffer and their keys in its metadata),
       and a read retried after a lost answer gets the same batch. A lease that runs out (the trainer
       vanished without restarting) gives the groups back to the buffer; a restarted trainer releases its
-      predecessor's leases at once, so a long lease costs nothing.
+      predecessor's leases at once, so a long lease costs nothing. While a batch is held (read, not yet
+      acknowledged) the adapter renews its lease every `lease_s / 3` (`slime_adapter.lease_renewal`).
     - `loss_mask_verify` (`agent_loss_mask_verify`): "cheap". How records without `turns` check their
       re-rendered tokens: "cheap" invariants, "full" (a second `apply_chat_template(tokenize=True)`
       compared token for token, twice the cost), or "off".

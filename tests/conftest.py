@@ -13,8 +13,9 @@ import pytest
 from rollout_buffer.store.embedded import EmbeddedRedis
 from rollout_buffer.store.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
+from tests.support.backends import external_url_from_env
 from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer
-from tests.support.redis_cluster import LocalRedisCluster
+from tests.support.redis_cluster import LocalRedis, LocalRedisCluster
 
 if TYPE_CHECKING:
     from tests.support.browser import OfflineBrowser
@@ -62,7 +63,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for name, source in spec.task_files.items():
             (folder / name).write_text(source)
         args += ["--task-dir", str(folder)]
-    args += backend(request, getattr(request, "param", spec.backends[0])).server_args()
+    name = getattr(request, "param", spec.backends[0])
+    args += spec.variants[name] if name in spec.variants else backend(request, name).server_args()
     if spec.cwd_fixture is not None:
         cwd = request.getfixturevalue(spec.cwd_fixture)[spec.cwd_key]
         process = ServerProcess(Path(spec.data_dir), *args, env=spec.env, cwd=cwd)
@@ -197,6 +199,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
     tests/support/backends.py for how tests share it)."""
     with LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def external_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of an external (non-embedded) Redis: CI's `REDIS_URL` when set, else a plain `redis-server`
+    on a loopback port started once per session (tests/support/backends.py)."""
+    url = external_url_from_env()
+    if url:
+        yield url
+        return
+    with LocalRedis(tmp_path_factory.mktemp("external-redis")) as server:
+        yield server.url
 
 
 @pytest.fixture(params=["embedded", "cluster"])

@@ -25,11 +25,11 @@ from rollout_buffer.api.routes.docs import install_docs
 from rollout_buffer.api.routes.remote import router as remote_router
 from rollout_buffer.api.state import AppState
 from rollout_buffer.api.upkeep import maintain, supervise_embedded
-from rollout_buffer.logs import redact_query_tokens
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.runs.lifecycle import Runtime
 from rollout_buffer.security.access import AccessPolicy
 from rollout_buffer.security.auth import BearerAuth
+from rollout_buffer.security.redaction import install_redaction
 from rollout_buffer.settings import Settings
 from rollout_buffer.store.embedded import EmbeddedRedis
 from rollout_buffer.store.redis_client import display_url
@@ -116,5 +116,5 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     token = settings.resolved_auth_token()
     if token is not None:  # outermost: a request without the token is refused before its body is read
         app.add_middleware(BearerAuth, token=token)
-        redact_query_tokens()  # the dashboard is opened once as /?token=...: keep it out of the access log
+        install_redaction()  # /?token=... and capability URLs stay out of the access log (and every other)
     return app

@@ -15,7 +15,9 @@ A start that names what was trained (either field, even empty: a trainer with no
 truth. If the buffer handed over groups the trainer does not have, they were lost with a crashed trainer,
 so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every group except exactly the
 trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
-and batches leased to the previous trainer session are released at once (one trainer per run).
+and batches leased to the previous trainer session are released at once (one trainer per run). A run that
+retention deleted is found by its tombstone (`rollout_buffer.runs.retention`): the chain of generations still
+leads to the newest one, and a deleted newest generation comes back with its handed-over and trained groups.
 
 The trainer's `policy_version` and `rollout_batch_size` are not part of a run's identity; its staleness
 bound and group filter are (`rollout_buffer.runs.policy`), and are checked before anything is stored.
@@ -38,8 +40,10 @@ from typing import Any, Protocol
 
 import orjson
 
+from rollout_buffer.runs import retention
 from rollout_buffer.runs.policy import PolicyError, RunPolicy
 from rollout_buffer.security.access import AccessDenied, AccessPolicy
+from rollout_buffer.security.outbound import buffer_url_for, checked_engine_urls
 from rollout_buffer.store import handover, keys
 from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.contract import VALIDATE_LINES, InvalidSample
@@ -101,10 +105,12 @@ def derive_run_id(request: StartRolloutRequest) -> str:
 
 
 def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
-                   access: AccessPolicy | None = None) -> TaskModule:
+                   access: AccessPolicy | None = None, own_url: str = "") -> TaskModule:
     """Check what pydantic cannot: the task exists, the input file is a readable file under the input
-    roots (it is replaced by its real path, so every later read opens the file that was checked), the
-    engine URL is one the server may call. `access` defaults to the current directory as the only root."""
+    roots (it is replaced by its real path, so every later read opens the file that was checked), every
+    engine URL is one the server may call, and a slime-style module's buffer URL is the server's own
+    (`own_url`) or one `--allow-url` allows (`rollout_buffer.security.outbound`). `access` defaults to the current
+    directory as the only root."""
     task = registry.get(request.task_type)
     if task is None:
         known = ", ".join(sorted(registry.tasks)) or "none"
@@ -114,8 +120,9 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
     access = access or AccessPolicy(roots=(Path.cwd().resolve(),))
     try:
         request.input_file = access.input_file(request.input_file)
-        if request.remote_engine_url:
-            access.url("remote_engine_url", request.remote_engine_url)
+        checked_engine_urls(access, request.remote_engine_url)
+        if task.kind == "legacy":  # the module is handed the URL with the run's write key in it
+            request.remote_buffer_url = buffer_url_for(access, request.remote_buffer_url, own_url)
     except AccessDenied as exc:
         raise StartRolloutError(exc.field, str(exc), exc.status_code) from exc
     return task
@@ -200,10 +207,12 @@ def trained_groups(request: StartRolloutRequest, handed: set[str]) -> set[str]:
 
 
 async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutRequest,
-                    runtime: Runtime | None = None, access: AccessPolicy | None = None) -> RunSpec:
+                    runtime: Runtime | None = None, access: AccessPolicy | None = None,
+                    own_url: str = "") -> RunSpec:
     """Create (or find) the run, record what was trained, make it the active run. Launching is the
-    caller's. Everything that can refuse the request runs before anything is stored."""
-    task = validate_start(request, registry, access)
+    caller's. Everything that can refuse the request runs before anything is stored. `own_url`: the
+    server's own address, what a slime-style module writes to unless the body names an allowed URL."""
+    task = validate_start(request, registry, access, own_url)
     try:
         policy = RunPolicy.from_request(request, task.kind)
     except PolicyError as exc:
@@ -214,14 +223,18 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     base_id = request.run_id or derive_run_id(request)
     run_id, generation = await _current_generation(store, base_id)
     exists = await store.run_exists(run_id)
-    handed = await store.handed_groups(run_id) if exists else set()
+    # a run retention deleted keeps its handed and skip sets under a tombstone (`retention`): it comes back
+    handed = await store.handed_groups(run_id)
     trained = trained_groups(request, handed) if names_trained_groups(request) else set()
-    if exists and names_trained_groups(request):
+    if handed and names_trained_groups(request):
         untrained = handed - trained
         if untrained:
             successor = f"{base_id}.r{generation + 1}"
-            await store.supersede(run_id, successor, reason=f"{len(untrained)} handed-over group(s) missing "
-                                                             "from what the trainer says it trained")
+            reason = f"{len(untrained)} handed-over group(s) missing from what the trainer says it trained"
+            if exists:
+                await store.supersede(run_id, successor, reason=reason)
+            else:
+                await retention.retire_tombstone(store, run_id, successor, reason)
             log.warning("run %s superseded by %s: %d group(s) were handed over to a trainer that does not have "
                         "them; the new generation rolls out everything the trainer has not trained",
                         run_id, successor, len(untrained))

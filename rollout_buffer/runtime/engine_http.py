@@ -122,11 +122,11 @@ async def call_with_retries(attempt: Callable[[int], Awaitable[Any]], policy: Re
         raise EngineError(f"{exc} (gave up after {number} attempts)") from exc
 
 
-async def abort_all_requests(url: str, timeout_s: float = 10.0) -> None:
-    """Ask an SGLang engine (or router) to abort every request in flight (`POST /abort_request` with
-    `abort_all`); the aborted generations answer with finish reason `abort` and the clients continue them.
-    Raises EngineError naming the cause when the engine does not accept it."""
-    target = f"{url.rstrip('/')}/abort_request"
+async def abort_all_requests(target: str, timeout_s: float = 10.0) -> None:
+    """Ask an SGLang engine (or router) to abort every request in flight (`POST {engine}/abort_request`
+    with `abort_all`; `target` is that whole URL, from `outbound.abort_targets`); the aborted generations
+    answer with finish reason `abort` and the clients continue them. Raises EngineError naming the cause
+    when the engine does not accept it."""
     try:
         async with aiohttp.ClientSession() as session, session.post(
                 target, data=orjson.dumps({"rid": "", "abort_all": True}),

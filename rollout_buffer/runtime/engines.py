@@ -13,26 +13,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 COOLDOWN_S = 10.0
-
-
-def parse_engine_urls(value: str | Sequence[str]) -> tuple[str, ...]:
-    """Engine URLs from a string (one URL, or several separated by commas or whitespace) or a list, without
-    trailing slashes. Raises ValueError naming a URL that is not http(s)://host[:port][/path]."""
-    parts = value.replace(",", " ").split() if isinstance(value, str) else [str(v).strip() for v in value]
-    urls: list[str] = []
-    for part in parts:
-        if not part:
-            continue
-        split = urlsplit(part)
-        if split.scheme not in ("http", "https") or not split.netloc:
-            raise ValueError(f"{part!r} is not an http(s) URL")
-        urls.append(part.rstrip("/"))
-    return tuple(urls)
 
 
 @dataclass

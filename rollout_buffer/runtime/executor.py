@@ -105,7 +105,7 @@ def _prompt_messages(handle: RunHandle, line: dict[str, Any] | None) -> list[dic
 
 async def execute(handle: RunHandle, job: Job, *, store: Store, session: aiohttp.ClientSession,
                   worker: str) -> str:
-    """Run one delivered task to its record; returns the state it ended in (done | failed | skipped), or
+    """Run one delivered job to its record; returns the state it ended in (done | failed | skipped), or
     `deferred` (admission is full: nothing was done, the task is still delivered to this worker)."""
     queue, uid = handle.queue, job.uid(handle.run_id)
     claim = await queue.start(job)

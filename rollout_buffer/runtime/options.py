@@ -4,7 +4,8 @@ slime's fields keep their meaning; `num_process` is the number of rollouts one w
 flight per loop, split between its worker processes (so `serve` plus one `rollout-buffer worker`, whatever
 their `--processes`, run up to 2 x num_process at once; with `--workers 2` loops each, 4 x).
 `remote_engine_url` is one URL (an engine, or a router in front of many), or several engine URLs (a JSON
-list, or one string separated by commas or spaces) dealt out round robin by rollout (`runtime.engines`).
+list, or one string separated by commas or spaces; `outbound.parse_engine_urls`) dealt out round robin by
+rollout (`runtime.engines`).
 Besides slime's fields, a run may set (all optional, values may be strings as slime sends them):
 
 * `engine_api`: `"generate"` (default; SGLang `/generate`, token in / token out, records `turns`) or
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.runs.lifecycle import StartRolloutError
-from rollout_buffer.runtime.engines import parse_engine_urls
+from rollout_buffer.security.outbound import parse_engine_urls
 from rollout_buffer.wire.schema import StartRolloutRequest
 
 ENGINE_APIS = ("generate", "chat")

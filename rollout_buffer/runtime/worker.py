@@ -36,6 +36,8 @@ from rollout_buffer.runtime.executor import RunHandle, execute
 from rollout_buffer.runtime.jobqueue import Job, JobQueue
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.tokenizers import get_tokenizer, release_free_heap
+from rollout_buffer.security.access import AccessDenied, AccessPolicy
+from rollout_buffer.security.outbound import checked_engine_urls
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
@@ -78,7 +80,8 @@ async def publish_run(store: Store, run_id: str) -> None:
 
 
 async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, run_id: str) -> RunHandle | None:
-    """The run as this worker can serve it, or None (unknown task here, legacy task, bad config)."""
+    """The run as this worker can serve it, or None (unknown task here, legacy task, bad config, an engine
+    outside this process's `--allow-url`)."""
     config = await store.run_config(run_id)
     if config is None:
         return None
@@ -90,6 +93,11 @@ async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, 
     if task.kind != "native":
         return None
     options = RunOptions.from_request(request, rollout_timeout_s=settings.rollout_timeout_s)
+    try:  # checked at /start_rollout; again here, for a run stored before this process's --allow-url narrowed
+        checked_engine_urls(AccessPolicy.from_settings(settings), request.remote_engine_url)
+    except AccessDenied as exc:
+        log.error("run %s: not served by this worker: %s", run_id, exc)
+        return None
     tokenizer = (await get_tokenizer(options.tokenizer_path, allow_download=settings.allow_hub_downloads)
                  if options.tokenizer_path else None)
     return RunHandle(run_id=run_id, request=request, options=options, task=task, tokenizer=tokenizer,

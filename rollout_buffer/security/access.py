@@ -8,9 +8,11 @@ network that is a way to read the server's files or to make it call hosts of the
   thing whether the path is outside the roots, missing, a folder or unreadable, so answers reveal nothing
   about files the caller may not read.
 * a tokenizer name that is not a local path is a Hugging Face hub name; it is loaded from the local cache
-  only, unless `--allow-hub-downloads`.
+  only, unless `--allow-hub-downloads`. `test:<flavour>` (`test:qwen2.5`, ...) names the built-in test
+  tokenizer that `rollout-buffer test-engine` serves (built on this machine; no file of the caller's).
 * `--allow-url PREFIX` (repeatable) restricts the URLs the server calls: a URL is allowed when its scheme,
-  host and port equal a prefix's and its path lies under the prefix's path. No prefix = any URL.
+  host and port equal a prefix's and its path lies under the prefix's path. No prefix = any URL. Which
+  URLs are checked where: `rollout_buffer.security.outbound`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from urllib.parse import urlsplit
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+TEST_TOKENIZER_PREFIX = "test:"
 
 
 class AccessDenied(ValueError):
@@ -89,7 +92,10 @@ class AccessPolicy:
     def tokenizer(self, name: str) -> TokenizerSource:
         """Classify and check a `tokenizer_path` / `tokenizer_name`: a name that exists on disk (or looks
         like a path) is a local folder and must be under a root; anything else must look like a hub name.
-        Every refusal, and a hub name missing from the cache (`tokenizer_unavailable`), says the same."""
+        Every refusal, and a hub name missing from the cache (`tokenizer_unavailable`), says the same.
+        `test:<flavour>` is the built-in test tokenizer (rollout_buffer.testing.tokenizer)."""
+        if name.startswith(TEST_TOKENIZER_PREFIX):
+            return _test_tokenizer(name)
         looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
         if looks_local or os.path.lexists(name):
             real = self._inside(name)
@@ -110,6 +116,18 @@ class AccessPolicy:
         """AccessDenied unless `url_ok(url)`."""
         if not self.url_ok(url):
             raise AccessDenied(field_name, f"{url!r} is not under a URL this server may call (--allow-url)")
+
+
+def _test_tokenizer(name: str) -> TokenizerSource:
+    """The folder of a built-in test tokenizer, built once per machine on first use."""
+    from rollout_buffer.testing.tokenizer import EXTRA_TEMPLATES, TEMPLATES, qwen_tokenizer_dir
+
+    flavours = (*TEMPLATES, *EXTRA_TEMPLATES)
+    flavour = name.removeprefix(TEST_TOKENIZER_PREFIX)
+    if flavour not in flavours:
+        raise AccessDenied("tokenizer_path", f"{name!r}: no built-in test tokenizer of that name (one of "
+                                             f"{', '.join(TEST_TOKENIZER_PREFIX + f for f in flavours)})", 400)
+    return TokenizerSource(str(qwen_tokenizer_dir(flavour)), local=True, allow_download=False)
 
 
 def tokenizer_unavailable(name: str) -> AccessDenied:

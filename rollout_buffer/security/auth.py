@@ -11,10 +11,10 @@ are given. They get a capability URL instead of the token: `<buffer>/runs/<run_i
 rewritten to `/runs/<run_id>/buffer/write`; the key opens nothing else, and no other run.
 
 Browsers cannot add a header to a page they navigate to, so the dashboard is opened once as
-`/?token=<token>`: a valid token in the `token` query parameter of a GET answers 303 to the same URL
-without it and sets an HttpOnly, SameSite=Strict cookie (an HMAC of the token, not the token), which the
-page's own requests then carry. The cookie is accepted for GET and HEAD only: nothing that changes state
-can be done with it.
+`/?token=<token>`: a valid token in the `token` query parameter of a GET answers 303 to the same path
+without it (always a path on this server: `same_origin_path`) and sets an HttpOnly, SameSite=Strict cookie
+(an HMAC of the token, not the token), which the page's own requests then carry. The cookie is accepted for
+GET and HEAD only: nothing that changes state can be done with it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ import hmac
 import ipaddress
 import os
 import re
-from urllib.parse import parse_qsl, urlencode
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, quote, urlencode
 
 import orjson
-from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:  # types only: the trainer side imports this module and installs no starlette
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health"})
 CAPABILITY_PATH = re.compile(r"^/runs/(?P<run_id>[^/]+)/cap/(?P<key>[0-9a-f]{64})/buffer/write$")
@@ -81,6 +84,13 @@ def route_path(scope: Scope) -> str:
     path: str = scope["path"]
     root = scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
+
+
+def same_origin_path(path: str) -> str:
+    """`path` as a redirect target that no browser can read as another site: percent-encoded (a `\\`, a
+    tab or a newline, which browsers turn into `/` or drop, become inert `%5C`, `%09`, `%0A`) and with
+    exactly one leading `/` (`//evil.example` is a URL of another host, `/evil.example` is not)."""
+    return "/" + quote(path, safe="/").lstrip("/")
 
 
 def is_loopback(host: str) -> bool:
@@ -155,7 +165,7 @@ class BearerAuth:
         if given is None or not hmac.compare_digest(given.encode(), self._token_bytes):
             return False
         rest = urlencode([(name, value) for name, value in query if name != "token"])
-        location = scope.get("root_path", "") + route_path(scope) + (f"?{rest}" if rest else "")
+        location = same_origin_path(scope.get("root_path", "") + route_path(scope)) + (f"?{rest}" if rest else "")
         cookie = f"{COOKIE}={browser_key(self.token)}; HttpOnly; SameSite=Strict; Path=/"
         await send({"type": "http.response.start", "status": 303,
                     "headers": [(b"location", location.encode()), (b"set-cookie", cookie.encode()),

@@ -2,7 +2,9 @@
 
 Delivery is at-least-once on the wire and exactly-once in effect when the reader uses leases: a leased
 batch keeps its records in Redis until `ack_batch`; a retry with the same `batch_id` gets the same batch;
-a lease that runs out puts the groups back at the head of the ready list (counted as `lease_expired`).
+a lease that runs out puts the groups back at the head of the ready list (counted as `lease_expired`). A
+late ack still hands the batch over when nobody took its groups since (they are taken back out of the ready
+list; counted as `late_acks_accepted`), and a reader renews a lease it still works on (`renew_batch`).
 A read without a lease (stock slime clients) deletes the groups as it hands them over, as slime's own
 buffer does.
 """
@@ -61,8 +63,9 @@ class ReadBatch:
 
 @dataclass(frozen=True)
 class AckOutcome:
-    """`acked` (now), `already_acked`, `expired` (too late: its groups went back to the ready list and may
-    be handed over again), or `unknown`."""
+    """`acked` (now, or late with nobody having taken its groups since its lease ran out), `already_acked`,
+    `expired` (too late: another read took its groups), or `unknown`; for a renewal, `renewed` instead of
+    `acked`."""
 
     batch_id: str
     outcome: str
@@ -77,7 +80,7 @@ def _json_list(value: Any) -> list[Any]:
 
 def _lease_keys(run_id: str) -> list[str]:
     return [keys.leases(run_id), keys.lease_data(run_id), keys.ready(run_id), keys.stats(run_id),
-            keys.wake(run_id), keys.settled(run_id)]
+            keys.wake(run_id), keys.settled(run_id), keys.expired_leases(run_id), keys.group_lease(run_id)]
 
 
 async def read_ready(store: Store, run_id: str, max_samples: int | None = None, *, lease_s: float = 0.0,
@@ -91,7 +94,7 @@ async def read_ready(store: Store, run_id: str, max_samples: int | None = None, 
         keys.since_groups(run_id), keys.timed_out(run_id), keys.gsize(run_id), keys.members(run_id),
         keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.wake(run_id),
         keys.run_meta(run_id), keys.group_version(run_id), keys.group_generation(run_id), keys.tasks(run_id),
-        keys.closed(run_id),
+        keys.closed(run_id), keys.expired_leases(run_id), keys.group_lease(run_id),
     ], [-1 if max_samples is None else max_samples, lease_s if lease_s > 0 else 0, batch_id, time.time(),
         "" if policy_version is None else policy_version, asked_groups])
     kind, raw_info, *groups = reply
@@ -146,12 +149,22 @@ async def ack_batch(store: Store, run_id: str, batch_id: str) -> AckOutcome:
         keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.records(run_id),
         keys.gsize(run_id), keys.members(run_id), keys.handed(run_id), keys.stats(run_id),
         keys.group_version(run_id), keys.run_meta(run_id), keys.tasks(run_id), keys.lines(run_id),
-        keys.skip(run_id), keys.closed(run_id),
+        keys.skip(run_id), keys.closed(run_id), keys.expired_leases(run_id), keys.group_lease(run_id),
+        keys.ready(run_id),
     ], [batch_id, time.time()])
     await store.replicated(run_id)  # an ack a failover lost would give its groups back when the lease ends
     if int(added):
         await store.announce_run(run_id)
     return AckOutcome(batch_id, text(outcome) or "unknown", int(groups), int(added))
+
+
+async def renew_batch(store: Store, run_id: str, batch_id: str) -> AckOutcome:
+    """Extend a batch's lease by its own `lease_s` from now, so a trainer step longer than the lease keeps
+    its groups; an expired lease whose groups nobody took since is leased again (see `lua_leases`)."""
+    outcome, _ = await store.script("RENEW_LEASE", [
+        keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.stats(run_id),
+        keys.expired_leases(run_id), keys.group_lease(run_id), keys.ready(run_id)], [batch_id, time.time()])
+    return AckOutcome(batch_id, text(outcome) or "unknown")
 
 
 async def extend_stream(store: Store, run_id: str, groups: int, *, filtered: int = 0) -> int:

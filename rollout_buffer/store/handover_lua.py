@@ -1,15 +1,44 @@
 """The hand-over's Lua scripts (run by `rollout_buffer.store.handover`, registered by the store): reads
-with or without a lease, the lease's outcome, acknowledgements, lease expiry, group timeouts, and the
-prompt stream's extension after a read. The functions they share are in `store.lua` and `store.stream_lua`.
+with or without a lease, the lease's outcome, acknowledgements (also of a lease that ran out, when nobody
+took its groups since), lease renewal, lease expiry, group timeouts, and the prompt stream's extension
+after a read. The functions the scripts share are in `store.lua` (groups), `LEASE_FUNCTIONS` below and
+`store.stream_lua` (the job stream).
 """
 
 from rollout_buffer.store.lua import GROUP_FUNCTIONS
 from rollout_buffer.store.stream_lua import EXTEND_GROUPS, STREAM_FUNCTIONS
 
-__all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "READ_READY", "SET_LEASE_OUTCOME"]
+__all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "READ_READY", "RENEW_LEASE",
+           "SET_LEASE_OUTCOME"]
+
+# Shared functions, prepended (after `lua.GROUP_FUNCTIONS`) to the scripts that need them.
+LEASE_FUNCTIONS = """
+-- The lease JSON of expired batch `bid` if none of its groups was taken from the ready list since it
+-- expired; its groups are then taken out of the ready list again. Otherwise nil, and nothing changes.
+local function reclaim_expired(k_expired, k_glease, k_ready, bid)
+  local raw = redis.call('HGET', k_expired, bid)
+  if not raw then return nil end
+  local groups = cjson.decode(raw)['groups']
+  for _, gid in ipairs(groups) do
+    if redis.call('HGET', k_glease, gid) ~= bid then return nil end
+  end
+  local removed = {}
+  for _, gid in ipairs(groups) do
+    -- expired groups sit at the head of the ready list: LREM finds them within the first few entries
+    if redis.call('LREM', k_ready, 1, gid) == 0 then
+      for i = #removed, 1, -1 do redis.call('LPUSH', k_ready, removed[i]) end
+      return nil
+    end
+    removed[#removed + 1] = gid
+  end
+  redis.call('HDEL', k_expired, bid)
+  return raw
+end
+"""
 
 # KEYS: 1 ready 2 records 3 handed 4 stats 5 since 6 since_groups 7 timed_out 8 gsize 9 members
 #       10 leases 11 lease_data 12 settled 13 wake 14 meta 15 gversion 16 ggen 17 tasks 18 closed
+#       19 lease_expired 20 glease
 # ARGV: 1 max_samples (-1: no limit) 2 lease_s (0: no lease) 3 batch_id ('' with no lease) 4 now
 #       5 the reader's policy version ('' none: the run's last known one) 6 groups the reader asked for (0: -)
 # First ends due leases. A batch_id whose lease is live is a retry: the same groups, lease renewed
@@ -20,6 +49,8 @@ __all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "READ
 # no room. Resets the since-previous-read counters. With a
 # lease the groups stay stored under the batch ({'leased', lease JSON, groups...}); without, they are
 # deleted and marked handed over ({'handed', info JSON, groups...}). Each group is {gid, {uid, blob, ...}}.
+# Every group taken from the ready list is recorded in `glease` under the lease that took it (removed
+# without a lease), so a late ack of an expired lease knows whether anyone read its groups since.
 # Nothing to hand over: {'empty', info JSON or ''} (the info names stale groups dealt with on the way).
 READ_READY = GROUP_FUNCTIONS + STREAM_FUNCTIONS + """
 local now = tonumber(ARGV[4])
@@ -27,7 +58,8 @@ local lease_s = tonumber(ARGV[2])
 local bid = ARGV[3]
 local status = redis.call('HGET', KEYS[14], 'status')
 if not status or status == 'deleted' then return {'empty', ''} end
-expire_leases(KEYS[10], KEYS[11], KEYS[1], KEYS[4], KEYS[13], KEYS[12], now, 1000, 'lease_expired')
+expire_leases(KEYS[10], KEYS[11], KEYS[1], KEYS[4], KEYS[13], KEYS[12], KEYS[19], KEYS[20], now, 1000,
+              'lease_expired')
 if bid ~= '' then
   local raw = redis.call('HGET', KEYS[11], bid)
   if raw then
@@ -62,6 +94,7 @@ while true do
   local oldest = bound and tonumber(redis.call('HGET', KEYS[15], gid) or '')
   if oldest and version - oldest > bound then
     redis.call('LPOP', KEYS[1])
+    redis.call('HDEL', KEYS[20], gid)
     local n = delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
     local again = policy ~= 'drop' and tonumber(redis.call('HGET', KEYS[16], gid) or '0') < max_requeues
     if not again then
@@ -106,11 +139,14 @@ if lease_s > 0 then
   redis.call('HSET', KEYS[11], bid, cjson.encode(info))
   redis.call('ZADD', KEYS[10], now + lease_s, bid)
   redis.call('ZREM', KEYS[12], bid)
+  redis.call('HDEL', KEYS[19], bid)
+  for _, gid in ipairs(gids) do redis.call('HSET', KEYS[20], gid, bid) end
   redis.call('HINCRBY', KEYS[4], 'batches_leased', 1)
 else
   for _, gid in ipairs(gids) do
     delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
     redis.call('SADD', KEYS[3], gid)
+    redis.call('HDEL', KEYS[20], gid)
   end
   redis.call('HINCRBY', KEYS[4], 'groups_handed', #gids)
   redis.call('HINCRBY', KEYS[4], 'samples_handed', taken)
@@ -122,29 +158,35 @@ return out
 """
 
 # KEYS: 1 leases 2 lease_data 3 settled 4 records 5 gsize 6 members 7 handed 8 stats 9 gversion 10 meta
-#       11 tasks 12 lines 13 skip 14 closed
+#       11 tasks 12 lines 13 skip 14 closed 15 lease_expired 16 glease 17 ready
 # ARGV: 1 batch_id 2 now
-# Ends a lease for good: its groups are deleted and marked handed over, what the reader decided for them
-# (stored with the lease by SET_LEASE_OUTCOME: counters, groups a filter dropped) is counted now, those
-# dropped groups are replaced from the prompt stream, and filtered groups free admission at once. Returns {outcome, groups, groups added}: acked |
-# already_acked | expired | unknown.
-ACK_BATCH = GROUP_FUNCTIONS + STREAM_FUNCTIONS + """
+# The body of `ACK_BATCH` (after its shared functions). Ends a lease for good: its groups are deleted
+# and marked handed over, what the reader decided for them (stored with the lease by SET_LEASE_OUTCOME:
+# counters, groups a filter dropped) is counted now, those dropped groups are replaced from the prompt
+# stream, and filtered groups free admission at once. A lease
+# that ran out is acknowledged all the same when nobody took its groups from the ready list since
+# (`reclaim_expired`, counted `late_acks_accepted`); otherwise the ack is refused (`expired`,
+# counted `late_acks`). Returns {outcome, groups, groups added}: acked | already_acked | expired | unknown.
+ACK_BODY = """
 local bid = ARGV[1]
 local raw = redis.call('HGET', KEYS[2], bid)
 if not raw then
   local settled = redis.call('ZSCORE', KEYS[3], bid)
   if settled and tonumber(settled) > 0 then return {'already_acked', 0, 0} end
-  if settled then
+  if not settled then return {'unknown', 0, 0} end
+  raw = reclaim_expired(KEYS[15], KEYS[16], KEYS[17], bid)
+  if not raw then
     redis.call('HINCRBY', KEYS[8], 'late_acks', 1)
     return {'expired', 0, 0}
   end
-  return {'unknown', 0, 0}
+  redis.call('HINCRBY', KEYS[8], 'late_acks_accepted', 1)
 end
 local lease = cjson.decode(raw)
 local samples = 0
 for _, gid in ipairs(lease['groups']) do
   samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
   redis.call('SADD', KEYS[7], gid)
+  redis.call('HDEL', KEYS[16], gid)
 end
 redis.call('HINCRBY', KEYS[8], 'groups_handed', #lease['groups'])
 redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
@@ -171,6 +213,9 @@ redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -10001)
 return {'acked', #lease['groups'], added}
 """
 
+# KEYS, ARGV and what it does: `handover_lua.ACK_BODY`.
+ACK_BATCH = GROUP_FUNCTIONS + STREAM_FUNCTIONS + LEASE_FUNCTIONS + ACK_BODY
+
 # KEYS: 1 lease_data. ARGV: 1 batch_id 2 filtered groups 3 hook-error groups 4 counters (JSON object:
 # name -> amount) 5 groups to replace from the prompt stream.
 # Stores what the read decided for its groups, to be counted (and replaced) when the batch is acknowledged.
@@ -186,10 +231,36 @@ redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(lease))
 return 1
 """
 
-# KEYS: 1 leases 2 lease_data 3 ready 4 stats 5 wake 6 settled. ARGV: 1 now 2 limit 3 counter name.
+# KEYS: 1 leases 2 lease_data 3 settled 4 stats 5 lease_expired 6 glease 7 ready
+# ARGV: 1 batch_id 2 now
+# Extends a live lease by its own `lease_s` from now. An expired lease whose groups nobody took since is
+# leased again (its groups leave the ready list). Returns {outcome, lease_s}: renewed | expired |
+# already_acked | unknown.
+RENEW_LEASE = LEASE_FUNCTIONS + """
+local bid = ARGV[1]
+local now = tonumber(ARGV[2])
+local raw = redis.call('HGET', KEYS[2], bid)
+if not raw then
+  local settled = redis.call('ZSCORE', KEYS[3], bid)
+  if not settled then return {'unknown', '0'} end
+  if tonumber(settled) > 0 then return {'already_acked', '0'} end
+  raw = reclaim_expired(KEYS[5], KEYS[6], KEYS[7], bid)
+  if not raw then return {'expired', '0'} end
+  redis.call('HSET', KEYS[2], bid, raw)
+  redis.call('ZREM', KEYS[3], bid)
+  redis.call('HINCRBY', KEYS[4], 'leases_reclaimed', 1)
+end
+local lease_s = tonumber(cjson.decode(raw)['lease_s'] or 0)
+redis.call('ZADD', KEYS[1], now + lease_s, bid)
+redis.call('HINCRBY', KEYS[4], 'lease_renewals', 1)
+return {'renewed', tostring(lease_s)}
+"""
+
+# KEYS: 1 leases 2 lease_data 3 ready 4 stats 5 wake 6 settled 7 lease_expired 8 glease.
+# ARGV: 1 now 2 limit 3 counter name (lease_expired | lease_released).
 # Ends leases due by `now` (a huge `now` releases them all, e.g. when a new trainer session starts).
 EXPIRE_LEASES = GROUP_FUNCTIONS + """
-return expire_leases(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], tonumber(ARGV[1]),
+return expire_leases(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], tonumber(ARGV[1]),
                      tonumber(ARGV[2]), ARGV[3])
 """
 

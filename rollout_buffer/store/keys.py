@@ -14,6 +14,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:active_run               string run_id that unqualified writes and reads attach to
     rb:run_events               stream run ids launched or stopped, so workers anywhere notice (XREAD BLOCK)
     rb:{R}:meta                 hash   status, created_at, group_size, num_epoch, task_type, superseded_by, ...
+                                       (a deleted run's tombstone: status deleted, superseded_by; see retention)
     rb:{R}:records              hash   uid -> packed record (see rollout_buffer.wire.packing), until handed over
     rb:{R}:uids                 set    every uid ever stored in the run (idempotency for the run's life)
     rb:{R}:gsize                hash   gid -> members written so far
@@ -26,6 +27,8 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:leases               zset   batch_id -> lease expiry (unix time) of batches read with a lease
     rb:{R}:lease_data           hash   batch_id -> JSON {groups, since, num_since_groups, timed_out, ...}
     rb:{R}:settled              zset   batch_id -> +ack time, or -expiry time (last 10,000; answers retries)
+    rb:{R}:lease_expired        hash   batch_id -> lease JSON of an expired lease (with `settled`: a late ack)
+    rb:{R}:glease               hash   gid -> batch_id of the lease that took the group from the ready list last
     rb:{R}:stats                hash   cumulative counters (writes, duplicates, drops by reason, ...)
     rb:{R}:since                hash   counters since the previous read (meta_info's no-filter view)
     rb:{R}:since_groups         set    gids written to since the previous read (meta_info)
@@ -169,7 +172,7 @@ def run_keys(run_id: str) -> list[str]:
     return [make(run_id) for make in (
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
         stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
-        group_version, group_generation, group_started, lines, read_log, timeline)]
+        group_version, group_generation, group_started, lines, read_log, timeline, expired_leases, group_lease)]
 
 
 def replica_barrier(run_id: str) -> str:
@@ -186,6 +189,14 @@ REMOTE_OPEN = f"{PREFIX}:remote_open"
 
 def remote_owner(owner_id: str) -> str:
     return f"{PREFIX}:remote_owner:{owner_id}"
+
+
+def expired_leases(run_id: str) -> str:
+    return f"{_tag(run_id)}:lease_expired"
+
+
+def group_lease(run_id: str) -> str:
+    return f"{_tag(run_id)}:glease"
 
 
 def error_examples(run_id: str) -> str:

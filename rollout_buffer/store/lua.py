@@ -76,8 +76,12 @@ local function wake(k_wake)
   redis.call('LTRIM', k_wake, -64, -1)
 end
 -- Puts the groups of leases due by `now` back at the head of the ready list (batch order kept) and
--- remembers the batch as expired (negative score in `settled`). Returns how many leases ended.
-local function expire_leases(k_leases, k_lease_data, k_ready, k_stats, k_wake, k_settled, now, limit, counter)
+-- remembers the batch as expired (negative score in `settled`). A lease that ran out (counter
+-- `lease_expired`) keeps its JSON in `lease_expired`, for a late ack (`handover_lua.reclaim_expired`); a
+-- released one (a new trainer session) does not, and its groups no longer name it in `glease`.
+-- Returns how many leases ended.
+local function expire_leases(k_leases, k_lease_data, k_ready, k_stats, k_wake, k_settled, k_expired, k_glease,
+                             now, limit, counter)
   local due = redis.call('ZRANGEBYSCORE', k_leases, '-inf', now, 'LIMIT', 0, limit)
   for _, bid in ipairs(due) do
     local raw = redis.call('HGET', k_lease_data, bid)
@@ -87,12 +91,21 @@ local function expire_leases(k_leases, k_lease_data, k_ready, k_stats, k_wake, k
       redis.call('HINCRBY', k_stats, counter, 1)
       redis.call('HINCRBY', k_stats, counter .. '_groups', #groups)
       wake(k_wake)
+      if counter == 'lease_expired' then
+        redis.call('HSET', k_expired, bid, raw)
+      else
+        for _, gid in ipairs(groups) do redis.call('HDEL', k_glease, gid) end
+      end
     end
     redis.call('HDEL', k_lease_data, bid)
     redis.call('ZREM', k_leases, bid)
     redis.call('ZADD', k_settled, -now, bid)
   end
-  redis.call('ZREMRANGEBYRANK', k_settled, 0, -10001)
+  local old = redis.call('ZRANGE', k_settled, 0, -10001)
+  if #old > 0 then
+    redis.call('HDEL', k_expired, unpack(old))
+    redis.call('ZREMRANGEBYRANK', k_settled, 0, -10001)
+  end
   return #due
 end
 """

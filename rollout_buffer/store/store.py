@@ -261,8 +261,9 @@ class Store:
 # run_superseded, skipped_group, epoch_out_of_range, stale_generation, late_write, group_overflow).
 # Epochs past num_epoch are accepted up to `epoch_limit` (groups the prompt stream added for a group filter).
 WRITE_RECORD = GROUP_FUNCTIONS + """
-local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch', 'status', 'epoch_limit')
+local run = redis.call('HMGET', KEYS[9], 'group_size', 'num_epoch', 'status', 'epoch_limit', 'superseded_by')
 if not run[1] or run[3] == 'deleted' then
+  if run[5] then return {'dropped', 'run_superseded'} end  -- a deleted superseded run's tombstone
   return {'dropped', 'unknown_run'}
 end
 if run[3] == 'superseded' then

@@ -214,6 +214,8 @@ class AckRequest(BaseModel):
     batch_id: str | None = Field(default=None, pattern=BATCH_ID_PATTERN)
     batch_ids: list[Annotated[str, Field(pattern=BATCH_ID_PATTERN)]] = Field(default_factory=list, max_length=1000)
     run_id: str | None = None
+    # renew the leases (each by its own lease_s, from now) instead of acknowledging: a step still in hand
+    renew: bool = False
 
     @property
     def all_ids(self) -> list[str]:

@@ -7,8 +7,10 @@ The buffer is a real `rollout-buffer serve` process whose records the test write
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +29,7 @@ from slime_adapter.agent_rollout import (
 )
 from slime_adapter.sample import Sample
 from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer, make_record, write_jsonl
+from tests.support.process_tools import wait_for
 
 SYSTEM = [{"role": "user", "content": "What is 6*7?"}]
 
@@ -129,6 +132,45 @@ def test_fetch_gives_up_after_the_configured_retries(server: ServerProcess, inpu
         generate_rollout(args, 0, buffer)
     assert time.monotonic() - began < 5.0
     assert buffer.get_buffer_length() == 0 and buffer.metadata == {}
+
+
+def test_a_step_slower_than_its_lease_keeps_its_groups(server: ServerProcess, input_file: Path,
+                                                       slime_data_buffer: Any) -> None:
+    """The trainer side takes several lease lengths to take in a batch (here: a data buffer that blocks until
+    released): the adapter renews the lease in the background, so no other read gets the held group."""
+    args = slime_args(server.url, input_file, agent_rollout_run_id="slow-step", agent_lease_s=0.6,
+                      rollout_batch_size=1)
+    gate = threading.Event()
+
+    class SlowBuffer(slime_data_buffer):  # type: ignore[misc,valid-type]
+        def add_samples(self, samples: list[list[Any]]) -> None:
+            assert gate.wait(30), "the test never released the step"
+            super().add_samples(samples)
+
+    buffer = SlowBuffer()
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 2,
+                "run_id": "slow-step"}
+        assert client.post("/start_rollout", json=body).status_code == 200
+        write_all(server.url, "slow-step", [make_record("i0"), make_record("i0")])
+
+        def run_state() -> dict[str, int]:
+            detail = client.get("/runs/slow-step").json()
+            return {**detail["leases"], **detail["groups"]}
+
+        with ThreadPoolExecutor(1) as pool:
+            step = pool.submit(generate_rollout, args, 0, buffer)
+            wait_for(lambda: run_state()["leased"] == 1, 10.0, "the step holds the group")
+            wait_for(lambda: run_state()["lease_renewals"] >= 6, 10.0, "renewals over two lease lengths")
+            other = client.post("/get_rollout_data", json={"run_id": "slow-step", "lease_s": 60}).json()
+            assert not other["success"], "the held group is not handed to another read"
+            held = run_state()
+            assert (held["lease_expired"], held["leased"]) == (0, 1)
+            gate.set()
+            groups = step.result(timeout=30)
+        assert [g[0].metadata["instance_id"] for g in groups] == ["i0"]
+        after = run_state()
+        assert (after["lease_expired"], after["leased"], after["consumed"]) == (0, 0, 1), after
 
 
 def test_evaluation_without_eval_data_says_what_to_set(input_file: Path, slime_data_buffer: Any) -> None:

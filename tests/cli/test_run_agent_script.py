@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.helpers import REPO, free_port
+from tests.support.helpers import REPO, free_port, write_jsonl
 
 SCRIPT = REPO / "scripts" / "run_agent.sh"
 
@@ -96,3 +96,67 @@ def test_sigterm_stops_training_and_buffer(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(train_pid, 0)
     assert_port_closed(port)
+
+
+# A stand-in for training that starts a slime-style run on each file it was given (the first rollout a real
+# training command would ask for) and reports the buffer's answer per file.
+START_RUNS = """
+import json, sys, urllib.error, urllib.request
+url = sys.argv[sys.argv.index("--rollout-buffer-url") + 1]
+answers = {}
+given = sys.argv[sys.argv.index("--files") + 1:]
+for path in given[:next((i for i, a in enumerate(given) if a.startswith("--")), len(given))]:
+    body = {"task_type": "slime_style", "input_file": path, "num_repeat_per_sample": "1", "num_epoch": "1",
+            "num_process": "1", "remote_buffer_url": url}
+    request = urllib.request.Request(url + "/start_rollout", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        answers[path] = urllib.request.urlopen(request, timeout=30).status
+    except urllib.error.HTTPError as exc:
+        answers[path] = exc.code
+print(json.dumps(answers), flush=True)
+"""
+
+
+def test_the_training_commands_data_folders_are_input_roots(tmp_path: Path) -> None:
+    """`--prompt-data /datasets/train.jsonl` (and the eval files, either spelling) outside the working directory
+    can be read by the buffer, and so can the `--hf-checkpoint` folder (its tokenizer); a file in no named
+    folder still cannot."""
+    rows = [{"instance_id": "p0", "prompt": "prompt 0"}]
+    checkout = tmp_path / "slime"
+    checkout.mkdir()
+    files = {name: write_jsonl_file(tmp_path / name, rows) for name in
+             ("datasets/train.jsonl", "evals/aime.jsonl", "evals-b/gsm8k.jsonl", "evals-c/math.jsonl", "models/qwen/x.jsonl",
+              "outside/x.jsonl")}
+    local = write_jsonl_file(checkout / "local.jsonl", rows)
+    task_dirs = os.pathsep.join(str(REPO / "tests" / "fixtures" / d) for d in ("tasks", "legacy_tasks"))
+    env = {**script_env(tmp_path, free_port()), "ROLLOUT_BUFFER_TASK_DIR": task_dirs}
+    command = [str(SCRIPT), "--", sys.executable, "-c", START_RUNS,
+               "--prompt-data", str(files["datasets/train.jsonl"]),
+               "--eval-prompt-data", "aime", str(files["evals/aime.jsonl"]),
+               "gsm8k", str(files["evals-b/gsm8k.jsonl"]),
+               f"--eval-prompt-data={files['evals-c/math.jsonl']}",
+               "--hf-checkpoint", str(files["models/qwen/x.jsonl"].parent), "--files", *map(str, files.values()), str(local)]
+    done = subprocess.run(command, check=False, env=env, cwd=checkout, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    outside = str(files.pop("outside/x.jsonl"))
+    assert answers == {**{str(path): 200 for path in files.values()}, outside: 403, str(local): 200}, done.stderr
+    roots = next(line for line in done.stderr.splitlines() if "input roots" in line)
+    assert roots.rsplit(": ", 1)[1].split() == [str(checkout), *(str(path.parent) for path in files.values())]
+
+    spelled = [str(SCRIPT), "--", sys.executable, "-c", START_RUNS, f"--prompt-data={files['datasets/train.jsonl']}",
+               f"--hf-checkpoint={files['models/qwen/x.jsonl'].parent}",
+               "--files", str(files["datasets/train.jsonl"]), str(files["evals/aime.jsonl"]), outside,
+               str(files["models/qwen/x.jsonl"])]
+    env["ROLLOUT_BUFFER_INPUT_ROOT"] = str(Path(outside).parent)  # its folders stay roots beside the flags
+    again = subprocess.run(spelled, check=False, env=env, cwd=checkout, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == {str(files["datasets/train.jsonl"]): 200,
+                                                                 str(files["evals/aime.jsonl"]): 403, outside: 200,
+                                                                 str(files["models/qwen/x.jsonl"]): 200}
+
+
+def write_jsonl_file(path: Path, rows: list[dict[str, str]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_jsonl(path, rows)

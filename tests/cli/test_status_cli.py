@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -60,6 +61,19 @@ def test_status_prints_runs_progress_and_the_runs_details(finished_run: tuple[st
     assert re.search(r"rollouts/s +\S+ +[▁▂▃▄▅▆▇█]*[▂▃▄▅▆▇█][▁▂▃▄▅▆▇█]*", out), "a throughput sparkline"
 
 
+def test_status_on_a_pipe_prints_full_values(finished_run: tuple[str, str]) -> None:
+    """`rollout-buffer status | cat`: no COLUMNS, not a terminal; rich would assume 80 columns and cut cells."""
+    url, run_id = finished_run
+    plain = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    done = subprocess.run([*STATUS, "--url", url], cwd=REPO, env=plain, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "…" not in out, out
+    row = next(line for line in out.splitlines() if run_id in line)
+    assert "finished *" in row and "12 / 12" in row and "timed out 0" in row, row
+    assert max(len(line) for line in out.splitlines()) > 80, "the runs table is wider than a terminal would be"
+
+
 def test_status_names_what_it_cannot_show(finished_run: tuple[str, str]) -> None:
     url, _ = finished_run
     unknown = subprocess.run([*STATUS, "--url", url, "--run-id", "nope"], cwd=REPO, env=env(), capture_output=True,
@@ -90,7 +104,10 @@ def test_watch_on_a_pipe_prints_a_snapshot_per_interval(finished_run: tuple[str,
         out = _read_until(proc.stdout.readline, lambda text: text.count("updated ") >= 3, 30)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=30)  # keeps reading, so a write in progress can finish
+        # keep reading through the same text reader (communicate() would read the bytes behind it and may
+        # start inside a character it split), so a write in progress can finish
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        proc.wait(timeout=30)
     code = proc.returncode
     assert out.count("updated ") >= 3 and out.count(run_id) >= 3
     assert code == 0, "Ctrl+C ends --watch cleanly"

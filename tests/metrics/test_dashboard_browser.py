@@ -15,7 +15,8 @@ import httpx
 
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.support.browser import OfflineBrowser
-from tests.support.helpers import ServerProcess
+from tests.support.helpers import REPO, ServerProcess
+from tests.support.process_tools import wait_for
 from tests.support.runtime_helpers import arithmetic_rows, drain, start_native, wait_status, write_rows
 
 # each chart's first series colour in dashboard.js
@@ -90,3 +91,29 @@ def test_dashboard_shows_a_run_in_an_offline_browser(tmp_path: Path, offline_bro
         assert shot.parent == tmp_path and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
         assert visit.outside_requests() == []
         assert visit.page_errors == [] and visit.console_errors == [] and visit.failed_requests == []
+
+
+def test_throughput_without_two_points_shows_the_empty_state(tmp_path: Path, offline_browser: OfflineBrowser) -> None:
+    """A run with one throughput point (the first sample, then an hour to the next) draws no chart, whose
+    lone point would stretch the time axis over years, but the panel's empty note, as the staleness panel."""
+    rows = [{"instance_id": f"p{i}", "prompt": "q"} for i in range(2)]
+    with ServerProcess(tmp_path / "data", "--task-dir", str(REPO / "tests" / "fixtures" / "tasks"),
+                       env={"ROLLOUT_BUFFER_TIMELINE_INTERVAL_S": "3600"}) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        body = {"task_type": "external", "input_file": str(write_rows(tmp_path, rows)), "num_repeat_per_sample": "2",
+                "num_epoch": "1", "num_process": "1"}
+        started = client.post("/start_rollout", json=body)
+        assert started.status_code == 200, started.text
+        wait_for(lambda: len(client.get("/api/dashboard").json()["run"]["throughput"]["t"]) == 1, 15,
+                 "the run's one throughput point")
+        visit = offline_browser.open(f"{server.url}/?refresh=0.5", wait_for="body[data-updates]", wait_until="load")
+        page = visit.page
+        page.wait_for_function("Number(document.body.dataset.updates || 0) >= 2")
+        assert len(client.get("/api/dashboard").json()["run"]["throughput"]["t"]) == 1, "still one point"
+        assert page.is_hidden('[data-chart="throughput"]')
+        assert page.locator('[data-chart="throughput"] canvas').count() == 0
+        assert page.is_visible('[data-empty="throughput"]')
+        assert text(visit, '[data-empty="throughput"]') == "Waiting for the first samples of this run."
+        assert page.is_hidden('[data-chart="staleness"]') and page.is_visible('[data-empty="staleness"]'), \
+            "the same empty state as the staleness panel"
+        assert visit.page_errors == [] and visit.console_errors == [] and visit.outside_requests() == []

@@ -41,12 +41,15 @@ def _trained(step: list[list[Any]]) -> list[tuple[int, str]]:
     return keys
 
 
+@pytest.mark.parametrize("retention", [[], ["--retain-runs", "1"]], ids=["keep-runs", "retain-runs-1"])
 def test_a_trainer_that_loses_answers_and_crashes_trains_every_group_once(
         tmp_path: Path, adapter: None, rollout_engine: Any, qwen_tokenizer_path: str, slime_data_buffer: Any,
-        tiny_server: Any) -> None:
+        tiny_server: Any, retention: list[str]) -> None:
+    """With `--retain-runs 1` the superseded first run is deleted as soon as the trainer resumes: the resumed
+    trainer still reads its successor and trains every group once."""
     rows, epochs, group, batch = arithmetic_rows(8), 3, 2, 2
     steps = len(rows) * epochs // batch
-    with ServerProcess(tmp_path / "data") as server:
+    with ServerProcess(tmp_path / "data", *retention) as server:
         proxy = DroppingProxy(server.url, drop={2, 5, 9})
         engine = urlparse(rollout_engine.url)
         args = SimpleNamespace(
@@ -76,13 +79,18 @@ def test_a_trainer_that_loses_answers_and_crashes_trains_every_group_once(
         everything = {(e, r["instance_id"]) for e in range(epochs) for r in rows}
         assert Counter(lineage) == Counter(everything), "every (epoch, instance) group trained exactly once"
         with httpx.Client(base_url=server.url, timeout=30) as client:
-            old = client.get(f"/runs/{first_run}").json()
-            assert old["meta"]["status"] == "superseded", "groups of steps 3-4 were handed over and lost"
             successor = get_state().run_id
             assert successor == f"{first_run}.r1"
             detail = client.get(f"/runs/{successor}").json()
-            retries = old["leases"]["batch_retries"] + detail["leases"]["batch_retries"]
-            assert retries == 3, "each cut answer was read again as the same batch"
+            if retention:  # deleted; its tombstone names the successor
+                old = client.get(f"/runs/{first_run}")
+                assert old.status_code == 409 and old.json()["superseded_by"] == successor
+                assert client.get("/runs").json()["runs"] == [successor]
+            else:
+                old = client.get(f"/runs/{first_run}").json()
+                assert old["meta"]["status"] == "superseded", "groups of steps 3-4 were handed over and lost"
+                retries = old["leases"]["batch_retries"] + detail["leases"]["batch_retries"]
+                assert retries == 3, "each cut answer was read again as the same batch"
             assert detail["groups"]["leased"] == 0, "every batch was acknowledged"
             assert detail["groups"]["consumed"] == len(everything) - 6
 

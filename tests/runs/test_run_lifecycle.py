@@ -114,6 +114,63 @@ def test_retention_deletes_retired_runs_only(tmp_path: Path, redis_backend: Back
         wait_for(lambda: client.get("/runs").json()["runs"] == [], 10.0, "drained runs deleted after the TTL")
 
 
+RETENTION = {"retain-1": ["--retain-runs", "1"], "ttl": ["--run-ttl-s", "1"]}
+
+
+@pytest.mark.parametrize(("policy", "redis_name"), [("retain-1", "embedded"), ("retain-1", "cluster"),
+                                                    ("ttl", "embedded")])
+def test_retention_keeps_the_chain_of_a_resumed_run(tmp_path: Path, policy: str, redis_name: str,
+                                                    request: pytest.FixtureRequest) -> None:
+    """A run hands groups over, a trainer that lost one resumes (`.r1`), retention deletes the superseded run,
+    and the run is started again: it resumes `.r1`, no group is handed over twice, and the deleted id
+    answers 409 naming its successor."""
+    request.param = redis_name  # type: ignore[attr-defined]
+    redis_backend = backend(request)
+    input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": f"k{i}"} for i in range(3)])
+    with ServerProcess(tmp_path / "data", "--task-dir", TASKS, *RETENTION[policy],
+                       *redis_backend.server_args()) as server:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        handed: list[str] = []
+
+        def take(run_id: str, iids: list[str]) -> None:
+            for iid in iids:
+                assert client.post("/buffer/write", json=make_record(iid, run_id=run_id)).json()["success"]
+            meta = client.post("/get_rollout_data", json={"run_id": run_id, "lease_s": 60}).json()["data"]["meta_info"]
+            assert client.post("/ack", json={"run_id": run_id, "batch_id": meta["batch_id"]}).json()["success"], meta
+            handed.extend(meta["finished_group_keys"])
+
+        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": "1",
+                "num_epoch": "1", "run_id": "chain"}
+        assert client.post("/start_rollout", json=body).json()["run_id"] == "chain"
+        take("chain", ["k0", "k1"])
+        resumed = client.post("/start_rollout", json={**body, "skip_groups": ["0:k0"]}).json()  # lost 0:k1
+        assert resumed["run_id"] == "chain.r1" and resumed["created"]
+        # an external task's run counts as finished at once: a ready group keeps .r1 from retiring meanwhile
+        assert client.post("/buffer/write", json=make_record("k1", run_id="chain.r1")).json()["success"]
+        wait_for(lambda: client.get("/runs").json()["runs"] == ["chain.r1"], 10.0, "retention deleted 'chain'")
+        take("chain.r1", [])
+        if policy == "ttl":  # .r1 retired too (nothing left to read): deleted, its handed and skip sets kept
+            wait_for(lambda: client.get("/runs").json()["runs"] == [], 10.0, "retention deleted 'chain.r1'")
+        for again in ({**body, "skip_groups": ["0:k0", "0:k1"]}, body):  # the trainer's truth; no skip fields
+            answer = client.post("/start_rollout", json=again).json()
+            assert answer["run_id"] == "chain.r1", "the chain leads to .r1"
+        stored = [client.post("/buffer/write", json=make_record(iid, run_id="chain.r1")).json()["success"]
+                  for iid in ("k0", "k1", "k2")]
+        assert stored == [False, False, True], "writes for trained groups are refused"
+        rest = client.post("/get_rollout_data", json={"run_id": "chain.r1"}).json()["data"]["meta_info"]
+        handed.extend(rest["finished_group_keys"])
+        assert sorted(handed) == ["0:k0", "0:k1", "0:k1", "0:k2"] and handed.count("0:k1") == 2
+        assert handed[:2] == ["0:k0", "0:k1"] and handed[2:] == ["0:k1", "0:k2"], \
+            "0:k1 twice only because the first trainer lost it; nothing .r1 handed over is handed again"
+        for method, path, payload in (("POST", "/get_rollout_data", {"run_id": "chain"}),
+                                      ("POST", "/ack", {"run_id": "chain", "batch_id": "b"}),
+                                      ("POST", "/buffer/write", make_record("k2", run_id="chain")),
+                                      ("GET", "/runs/chain", None)):
+            gone = client.request(method, path, json=payload)
+            assert gone.status_code == 409 and gone.json()["superseded_by"] == "chain.r1", (path, gone.text)
+        assert client.delete("/runs/chain").status_code == 404, "a tombstone is not a run"
+
+
 def test_group_timeouts_reach_runs_that_are_not_active(tmp_path: Path, redis_backend: Backend) -> None:
     input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": "i0"}])
     with ServerProcess(tmp_path / "data", "--task-dir", TASKS, "--group-timeout-s", "0.3",

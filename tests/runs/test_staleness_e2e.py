@@ -118,7 +118,8 @@ def test_abort_in_flight_continues_under_the_new_version_and_keeps_both(
     time.sleep(0.5)  # half of it: the engine has tokens to give back
     answer = client.post("/policy_version", json={"run_id": run_id, "version": 1, "abort_in_flight": True})
     assert answer.status_code == 200, answer.text
-    assert answer.json()["data"] == {"run_id": run_id, "policy_version": 1, "previous": 0, "aborted": True}
+    assert answer.json()["data"] == {"run_id": run_id, "policy_version": 1, "previous": 0, "aborted": True,
+                                     "engines": [{"url": f"{engine.url}/abort_request", "aborted": True}]}
     wait_status(client, run_id, "finished")
     read = client.post("/get_rollout_data", json={"run_id": run_id, "policy_version": 1}).json()
     [record] = read["data"]["data"]

@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_buffer.runtime.engines import EngineRing, parse_engine_urls
+from rollout_buffer.runtime.engines import EngineRing
 from rollout_buffer.runtime.options import RunOptions
+from rollout_buffer.security.outbound import parse_engine_urls
 from rollout_buffer.testing.engine import run_engine_in_thread
 from rollout_buffer.wire.schema import StartRolloutRequest
 from tests.support.helpers import ServerProcess, free_port

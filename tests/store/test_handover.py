@@ -1,8 +1,10 @@
-"""Exactly-once hand-over over real HTTP and a real Redis: leased reads, retries, acks, lease expiry,
-uid idempotency for a run's life, epoch-exact resume keys, superseded runs."""
+"""Exactly-once hand-over over real HTTP and a real Redis: leased reads, retries, acks, lease expiry, late
+acks and renewals, uid idempotency for a run's life, epoch-exact resume keys, superseded runs. Every test
+also runs on a server with `--retain-runs 1`, which deletes superseded runs at once (keeping a tombstone)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -10,13 +12,20 @@ import httpx
 import pytest
 
 from tests.support.backends import BACKENDS
-from tests.support.helpers import ServerSpec, make_record, start_run, write_jsonl
+from tests.support.helpers import ServerProcess, ServerSpec, make_record, start_run, write_jsonl
 from tests.support.process_tools import wait_for
 
 TASKS = str(Path(__file__).parents[1] / "fixtures" / "tasks")
+RETAIN = "retain-runs-1"  # the embedded Redis, with retention deleting every run it may
+
+SERVER = ServerSpec(args=("--task-dir", TASKS), backends=(*BACKENDS, RETAIN),
+                    variants={RETAIN: ("--retain-runs", "1")})
 
 
-SERVER = ServerSpec(args=("--task-dir", TASKS), backends=tuple(BACKENDS))
+@pytest.fixture()
+def retains(server: ServerProcess) -> bool:
+    """Whether the server deletes retired runs at once (`--retain-runs 1`)."""
+    return "--retain-runs" in server.args
 
 
 @pytest.fixture()
@@ -98,7 +107,83 @@ def test_an_expired_lease_puts_its_groups_back_at_the_head(client: httpx.Client,
     late = client.post("/ack", json={"run_id": run_id, "batch_id": lost}).json()
     assert not late["success"] and late["data"]["results"][0]["outcome"] == "expired"
     leases = detail(client, run_id)["leases"]
-    assert leases["lease_expired"] == 1 and leases["late_acks"] == 1
+    assert leases["lease_expired"] == 1 and leases["late_acks"] == 1 and leases["late_acks_accepted"] == 0
+
+
+def _expire(client: httpx.Client, run_id: str, count: int) -> None:
+    """Wait until `count` leases of the run ran out (the upkeep loop ends them within about a second)."""
+    wait_for(lambda: detail(client, run_id)["leases"]["lease_expired"] >= count, 10.0, f"{count} lease(s) expired")
+
+
+def test_a_late_ack_is_accepted_when_nobody_read_the_groups_since(client: httpx.Client, input_file: Path) -> None:
+    run_id = new_run(client, input_file, repeats=1)
+    fill(client, run_id, ["i0", "i1", "i2"], 1)
+    slow = read(client, run_id, num=2, lease_s=0.3)["data"]["meta_info"]
+    assert slow["finished_group_keys"] == ["0:i0", "0:i1"]
+    _expire(client, run_id, 1)
+    assert detail(client, run_id)["groups"]["ready"] == 3, "the expired groups went back to the ready list"
+    late = client.post("/ack", json={"run_id": run_id, "batch_id": slow["batch_id"]}).json()
+    assert late["success"] and late["data"]["results"] == [{"batch_id": slow["batch_id"], "outcome": "acked",
+                                                            "groups": 2}]
+    after = detail(client, run_id)
+    assert (after["groups"]["ready"], after["groups"]["consumed"]) == (1, 2)
+    assert after["leases"]["late_acks_accepted"] == 1 and after["leases"]["late_acks"] == 0
+    rest = read(client, run_id, lease_s=60)["data"]["meta_info"]
+    assert rest["finished_group_keys"] == ["0:i2"], "the late-acked groups are not handed over again"
+    again = client.post("/ack", json={"run_id": run_id, "batch_id": slow["batch_id"]}).json()
+    assert again["data"]["results"][0]["outcome"] == "already_acked"
+
+
+def test_a_late_ack_is_refused_when_another_lease_took_the_groups(client: httpx.Client, input_file: Path) -> None:
+    """A, then B (after A expired) read the same group; B's lease ran out too, so the group sits in the ready
+    list again, untouched since B: B may still ack late, A may not (B may have trained it)."""
+    run_id = new_run(client, input_file, repeats=1)
+    fill(client, run_id, ["i0"], 1)
+    first = read(client, run_id, lease_s=0.3)["data"]["meta_info"]["batch_id"]
+    _expire(client, run_id, 1)
+    second = read(client, run_id, lease_s=0.3)["data"]["meta_info"]
+    assert second["finished_group_keys"] == ["0:i0"]
+    _expire(client, run_id, 2)
+    refused = client.post("/ack", json={"run_id": run_id, "batch_id": first}).json()
+    assert not refused["success"] and refused["data"]["results"][0]["outcome"] == "expired"
+    assert detail(client, run_id)["groups"]["ready"] == 1, "a refused late ack changes nothing"
+    accepted = client.post("/ack", json={"run_id": run_id, "batch_id": second["batch_id"]}).json()
+    assert accepted["data"]["results"][0]["outcome"] == "acked"
+    leases = detail(client, run_id)["leases"]
+    assert (leases["late_acks"], leases["late_acks_accepted"]) == (1, 1)
+    assert not read(client, run_id, lease_s=60)["success"], "handed over once"
+
+
+def test_a_renewed_lease_keeps_its_groups(client: httpx.Client, input_file: Path) -> None:
+    run_id = new_run(client, input_file, repeats=1)
+    fill(client, run_id, ["i0", "i1"], 1)
+    held = read(client, run_id, num=1, lease_s=1.5)["data"]["meta_info"]["batch_id"]
+    deadline = time.monotonic() + 3.5  # more than two lease lengths, renewed every 0.3 s
+    while time.monotonic() < deadline:
+        renewed = client.post("/ack", json={"run_id": run_id, "batch_id": held, "renew": True}).json()
+        assert renewed["success"] and renewed["data"]["results"][0]["outcome"] == "renewed", renewed
+        time.sleep(0.3)  # the renewal period itself: nothing to wait on
+    other = read(client, run_id, lease_s=60)["data"]["meta_info"]
+    assert other["finished_group_keys"] == ["0:i1"], "the renewed batch's group was not handed to another read"
+    assert client.post("/ack", json={"run_id": run_id, "batch_id": held}).json()["success"]
+    done = client.post("/ack", json={"run_id": run_id, "batch_id": held, "renew": True}).json()
+    assert not done["success"] and done["data"]["results"][0]["outcome"] == "already_acked"
+    unknown = client.post("/ack", json={"run_id": run_id, "batch_id": "never-read", "renew": True}).json()
+    assert unknown["data"]["results"][0]["outcome"] == "unknown"
+    leases = detail(client, run_id)["leases"]
+    assert leases["lease_expired"] == 0 and leases["lease_renewals"] >= 5
+
+
+def test_an_expired_lease_nobody_took_can_be_renewed(client: httpx.Client, input_file: Path) -> None:
+    run_id = new_run(client, input_file, repeats=1)
+    fill(client, run_id, ["i0"], 1)
+    held = read(client, run_id, lease_s=0.3)["data"]["meta_info"]["batch_id"]
+    _expire(client, run_id, 1)
+    renewed = client.post("/ack", json={"run_id": run_id, "batch_id": held, "renew": True}).json()
+    assert renewed["data"]["results"][0]["outcome"] == "renewed"
+    assert detail(client, run_id)["groups"]["leased"] == 1 and detail(client, run_id)["groups"]["ready"] == 0
+    assert not read(client, run_id, lease_s=60)["success"], "leased again: no other read gets it"
+    assert detail(client, run_id)["leases"]["leases_reclaimed"] == 1
 
 
 def test_a_read_without_lease_keeps_slime_semantics(client: httpx.Client, input_file: Path) -> None:
@@ -149,7 +234,8 @@ def test_slime_instance_ids_count_trained_groups(client: httpx.Client, input_fil
                         (0, "i1"): False, (1, "i1"): True, (2, "i1"): True}
 
 
-def test_a_checkpoint_missing_handed_groups_supersedes_the_run(client: httpx.Client, input_file: Path) -> None:
+def test_a_checkpoint_missing_handed_groups_supersedes_the_run(client: httpx.Client, input_file: Path,
+                                                               retains: bool) -> None:
     run_id = new_run(client, input_file, repeats=1, epochs=2)
     fill(client, run_id, ["i0", "i1"], 1, epoch=0)
     assert read(client, run_id)["data"]["meta_info"]["finished_group_keys"] == ["0:i0", "0:i1"]
@@ -163,7 +249,15 @@ def test_a_checkpoint_missing_handed_groups_supersedes_the_run(client: httpx.Cli
     assert late.status_code == 409 and late.json()["superseded_by"] == successor
     stale_read = client.post("/get_rollout_data", json={"run_id": run_id})
     assert stale_read.status_code == 409 and stale_read.json()["superseded_by"] == successor
-    assert detail(client, run_id)["drops"]["run_superseded"] == 1
+    if retains:  # deleted at once; its tombstone still names the successor
+        gone = client.get(f"/runs/{run_id}")
+        assert gone.status_code == 409 and gone.json()["superseded_by"] == successor
+        assert run_id not in client.get("/runs").json()["runs"]
+    else:
+        assert detail(client, run_id)["drops"]["run_superseded"] == 1
+        assert client.delete(f"/runs/{run_id}").status_code == 200
+        gone = client.post("/get_rollout_data", json={"run_id": run_id})
+        assert gone.status_code == 409 and gone.json()["superseded_by"] == successor, "DELETE keeps the link"
     for epoch, iid, stored in ((0, "i0", False), (0, "i1", True), (0, "i2", True), (1, "i0", True)):
         assert client.post("/buffer/write", json=make_record(iid, epoch=epoch)).json()["success"] is stored, (epoch, iid)
     assert client.get("/runs").json()["active_run"] == successor

@@ -1,5 +1,7 @@
-"""Which Redis a test's buffer server runs on: the embedded one, an external one (CI exports REDIS_URL),
-or the session's real 3-node Redis Cluster (`redis_cluster` fixture, `tests/support/redis_cluster.py`).
+"""Which Redis a test's buffer server runs on: the embedded one, an external one (`REDIS_URL` when set,
+else a plain `redis-server` the session starts itself: the `external_redis` fixture), or the session's real
+3-node Redis Cluster (`redis_cluster` fixture, `tests/support/redis_cluster.py`). Every backend runs with or without
+`REDIS_URL`, so the README's test command and CI run the same tests.
 
 The cluster is shared by the whole session, one server at a time: a backend flushes it before a server
 starts on it, and `LocalRedisCluster.flush` refuses while an earlier server or store is still attached.
@@ -27,9 +29,13 @@ def _own_database(url: str | None) -> str | None:
     return urlunsplit(urlsplit(url)._replace(path=f"/{int(worker[2:])}"))
 
 
-EXTERNAL_URL = _own_database(os.environ.get("REDIS_URL"))
+def external_url_from_env() -> str | None:
+    """CI's external Redis (`REDIS_URL`), this worker's database of it; None when unset."""
+    return _own_database(os.environ.get("REDIS_URL"))
+
+
 # The Redis-facing tests run on each of these (a fixture parameter).
-BACKENDS = ["embedded", *(["external"] if EXTERNAL_URL else []), "cluster"]
+BACKENDS = ["embedded", "external", "cluster"]
 # Slow end-to-end tests run on the embedded Redis and the cluster only (the external single Redis is the
 # embedded one's code path with another URL).
 CLUSTER_BACKENDS = ["embedded", "cluster"]
@@ -39,12 +45,13 @@ CLUSTER_BACKENDS = ["embedded", "cluster"]
 class Backend:
     name: str
     cluster: LocalRedisCluster | None = None
+    url: str | None = None  # the external Redis
 
     def server_args(self) -> list[str]:
         """`rollout-buffer serve`/`worker` flags for this Redis (none: the server's own embedded one)."""
         if self.name == "external":
-            assert EXTERNAL_URL
-            return ["--redis-url", EXTERNAL_URL]
+            assert self.url
+            return ["--redis-url", self.url]
         if self.cluster is not None:
             return ["--redis-url", self.cluster.url, "--redis-cluster"]
         return []
@@ -54,7 +61,7 @@ class Backend:
         if self.cluster is not None:
             return self.cluster.keys()
         if self.name == "external":
-            with redis.Redis.from_url(EXTERNAL_URL or "") as client:
+            with redis.Redis.from_url(self.url or "") as client:
                 return list(client.keys("*"))
         with redis.Redis(unix_socket_path=str((server.cwd / server.data_dir / "redis.sock").resolve())) as client:
             return list(client.keys("*"))
@@ -64,6 +71,8 @@ def backend(request: pytest.FixtureRequest, name: str | None = None) -> Backend:
     """The backend named by `name` (default: `request.param`); the cluster is flushed for the server about
     to start on it."""
     name = str(request.param) if name is None else name
+    if name == "external":
+        return Backend(name, url=str(request.getfixturevalue("external_redis")))
     if name != "cluster":
         return Backend(name)
     cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")

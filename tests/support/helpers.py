@@ -37,14 +37,16 @@ def free_port() -> int:
 class ServerSpec:
     """How a test module's buffer server starts (the `server` fixture of tests/conftest.py reads the
     module's `SERVER`): `rollout-buffer serve` flags and environment, the Redis backends it runs on (once
-    per backend), task modules written to a folder of their own (file name -> source), and, for a module
-    whose server must start in a folder of its own, the fixture that gives that folder (`cwd_fixture`,
-    read at `cwd_key`) with the data dir relative to it. `shared` names a session-wide server fixture
-    to use instead of starting one."""
+    per backend; a `variants` entry is a further run on the embedded Redis with flags of its own), task
+    modules written to a folder of their own (file name -> source), and, for a module whose server must
+    start in a folder of its own, the fixture that gives that folder (`cwd_fixture`, read at `cwd_key`)
+    with the data dir relative to it. `shared` names a session-wide server fixture to use instead of
+    starting one."""
 
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     backends: tuple[str, ...] = ("embedded",)
+    variants: dict[str, tuple[str, ...]] = field(default_factory=dict)
     task_files: dict[str, str] = field(default_factory=dict)
     cwd_fixture: str | None = None
     cwd_key: str = "root"

@@ -516,6 +516,7 @@ def test_cli_serves_until_terminated(tmp_path: Path) -> None:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line
         url = line.strip().rsplit(" ", 1)[-1]
+        assert '"tokenizer_path": "test:qwen3"' in proc.stdout.readline(), "the name /start_rollout takes"
         with urllib.request.urlopen(url + "/get_server_info", timeout=10) as resp:
             info = json.loads(resp.read())
             assert resp.headers["X-Test-Engine-Id"] == "cli-engine"

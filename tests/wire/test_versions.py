@@ -16,6 +16,7 @@ from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy, abort_all_requests, new_session
 from rollout_buffer.runtime.policy_clock import PolicyClock
 from rollout_buffer.runtime.sglang_client import GenerateClient
+from rollout_buffer.security.outbound import ABORT_PATH
 from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
 from rollout_buffer.testing.engine import running_engine
@@ -91,7 +92,7 @@ async def test_an_abort_continued_under_a_new_version_keeps_both_per_token(redis
             await _wait_in_flight(engine)
             await asyncio.sleep(1.0)  # half of the latency: the aborted piece has produced tokens
             await redis_store.set_policy_version(run_id, 4)
-            await abort_all_requests(engine.url)
+            await abort_all_requests(f"{engine.url}{ABORT_PATH}")
             await call
         finally:
             await session.close()

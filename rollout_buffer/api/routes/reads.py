@@ -32,17 +32,20 @@ async def _resolve_run(state: AppState, run_id: str | None) -> tuple[str | None,
     if run_id is None:
         return None, {}, None
     meta = await state.store.run_meta(run_id)
+    if meta.get("superseded_by"):  # superseded, or the tombstone retention left of it
+        return run_id, meta, await superseded_answer(state, run_id)
     if not meta or meta.get("status") == "deleted":
         return run_id, meta, error_response(404, f"unknown run_id {run_id!r}")
-    if meta.get("status") == "superseded":
-        return run_id, meta, await superseded_answer(state, run_id)
     return run_id, meta, None
 
 
-async def _ack(state: AppState, run_id: str, batch_ids: list[str]) -> list[dict[str, Any]]:
+async def _ack(state: AppState, run_id: str, batch_ids: list[str], renew: bool = False) -> list[dict[str, Any]]:
     results = []
     for batch_id in batch_ids:
-        outcome = await handover.ack_batch(state.store, run_id, batch_id)
+        if renew:
+            outcome = await handover.renew_batch(state.store, run_id, batch_id)
+        else:
+            outcome = await handover.ack_batch(state.store, run_id, batch_id)
         results.append({"batch_id": batch_id, "outcome": outcome.outcome, "groups": outcome.groups})
     return results
 
@@ -91,8 +94,10 @@ async def get_rollout_data(request: Request, body: GetRolloutDataRequest | None 
 @router.post("/ack")
 async def ack(body: AckRequest, request: Request) -> Any:
     """Acknowledge leased batches: their groups are handed over for good (deleted, recorded for resume).
-    Idempotent; an ack that comes after its lease ran out is reported as `expired` (its groups went back
-    to the ready list)."""
+    Idempotent. An ack after its lease ran out is still accepted when no read took its groups since;
+    otherwise it is reported as `expired` (another read has them). With `"renew": true` the leases are
+    renewed instead (each by its own `lease_s`, from now; outcome `renewed`): a reader still working on a
+    batch keeps it."""
     state = state_of(request)
     if not body.all_ids:
         return error_response(422, "give batch_id or batch_ids")
@@ -101,9 +106,11 @@ async def ack(body: AckRequest, request: Request) -> Any:
         return error_response(409, "no active run: give run_id")
     if error is not None:
         return error
-    results = await _ack(state, run_id, body.all_ids)
-    ok = all(r["outcome"] in ("acked", "already_acked") for r in results)
-    counts = {o: sum(1 for r in results if r["outcome"] == o) for o in ("acked", "already_acked", "expired", "unknown")}
+    results = await _ack(state, run_id, body.all_ids, renew=body.renew)
+    good = ("renewed",) if body.renew else ("acked", "already_acked")
+    ok = all(r["outcome"] in good for r in results)
+    counts = {o: sum(1 for r in results if r["outcome"] == o)
+              for o in ("acked", "renewed", "already_acked", "expired", "unknown")}
     return {"success": ok, "run_id": run_id,
             "message": ", ".join(f"{n} {o.replace('_', ' ')}" for o, n in counts.items() if n),
             "data": {"results": results}}

@@ -7,11 +7,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rollout_buffer.api.errors import error_response
+from rollout_buffer.api.routes.writes import missing_run_answer
 from rollout_buffer.api.state import state_of
 from rollout_buffer.metrics.failures import failure_summary
 from rollout_buffer.runs import retention
 from rollout_buffer.runs.lifecycle import StartRolloutError, start_run
 from rollout_buffer.runtime.jobqueue import JobQueue
+from rollout_buffer.security.outbound import own_base_url
 from rollout_buffer.store import handover
 from rollout_buffer.wire.schema import StartRolloutRequest
 
@@ -22,10 +24,11 @@ router = APIRouter()
 async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
     """Start a run (or find the same one already running) and launch its rollouts."""
     state = state_of(request)
-    if not body.remote_buffer_url:  # legacy task modules write back to us; tell them where
-        body.remote_buffer_url = str(request.base_url).rstrip("/")
+    # slime-style modules write back to us (never to the Host header's choice) or to an allowed URL
+    own_url = own_base_url(request.scope.get("server"), str(request.base_url))
     try:
-        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access)
+        spec = await start_run(state.store, state.registry, body, state.runtime, access=request.app.state.access,
+                               own_url=own_url)
         await state.runtime.launch(spec)
     except StartRolloutError as exc:
         return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
@@ -47,8 +50,8 @@ async def run_detail(run_id: str, request: Request) -> Any:
     """Tasks, groups, drops and failures (by error type, with the first example of each) of one run."""
     state = state_of(request)
     meta = await state.store.run_meta(run_id)
-    if not meta:
-        return error_response(404, f"unknown run_id {run_id!r}")
+    if not meta or not await state.store.run_exists(run_id):
+        return await missing_run_answer(state, run_id)
     stats = await state.store.stats(run_id)
     counts = await handover.group_counts(state.store, run_id)
     return {
@@ -73,7 +76,8 @@ async def run_detail(run_id: str, request: Request) -> Any:
                     "by_status": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("status:")}},
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
         "leases": {name: int(stats.get(name, 0)) for name in (
-            "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks")},
+            "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks",
+            "late_acks_accepted", "lease_renewals", "leases_reclaimed")},
         "failures": await failure_summary(state.store.redis, run_id, stats),
         "stats": stats,
     }

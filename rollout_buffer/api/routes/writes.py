@@ -39,6 +39,14 @@ async def superseded_answer(state: AppState, run_id: str) -> Any:
                           extra={"superseded_by": successor})
 
 
+async def missing_run_answer(state: AppState, run_id: str) -> Any:
+    """A run that is not in the index: 409 naming the successor when it is a superseded run's tombstone
+    (`rollout_buffer.runs.retention`), else 404."""
+    if (await state.store.run_meta(run_id)).get("superseded_by"):
+        return await superseded_answer(state, run_id)
+    return error_response(404, f"unknown run_id {run_id!r}")
+
+
 async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
     parsed = await parse_body_with(request, parse_record)
     record = parsed.record
@@ -89,7 +97,7 @@ async def buffer_write_batch(request: Request) -> Any:
     if run_id is None:
         return error_response(409, "no active run: start one with POST /start_rollout (or give run_id)")
     if not await state.store.run_exists(run_id):
-        return error_response(404, f"unknown run_id {run_id!r}")
+        return await missing_run_answer(state, run_id)
     foreign = [p.record.uid for p in parsed if p.record.run_id not in (None, run_id)]
     if foreign:
         return error_response(422, f"records {foreign[:5]} name another run than {run_id!r}")
@@ -114,7 +122,7 @@ async def buffer_write_packed(request: Request, run_id: str | None = None) -> An
     if foreign:
         return error_response(422, f"records {foreign[:5]} name another run than {run_id!r}")
     if not await state.store.run_exists(run_id):
-        return error_response(404, f"unknown run_id {run_id!r}")
+        return await missing_run_answer(state, run_id)
     outcomes = await state.store.write_records(run_id, [i.fields for i in items],
                                                blobs=[stamped_blob(i, run_id) for i in items])
     return batch_answer(state, run_id, [i.fields["uid"] for i in items], outcomes)

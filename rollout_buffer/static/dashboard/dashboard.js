@@ -189,7 +189,10 @@
       { label: "rollouts/s", stroke: COLORS.blue, scale: "r" },
       { label: "tokens/s", stroke: COLORS.green, scale: "tok" },
     ];
-    lineChart("throughput", series, [tp.t, tp.rollouts_per_s, tp.tokens_per_s], [
+    // A rate needs two samples and a line two rates: a lone point would get a time axis stretched over years
+    // around it, so until there are two the panel shows its empty state, as the staleness panel does.
+    const columns = tp.t.length >= 2 ? [tp.t, tp.rollouts_per_s, tp.tokens_per_s] : [[], [], []];
+    lineChart("throughput", series, columns, [
       {}, { scale: "r", size: 50 }, { scale: "tok", side: 1, size: 60, grid: { show: false } }]);
   }
   function renderReward(run) {

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                 loop.add_signal_handler(sig, stop.set)
         url = await engine.start(args.host, args.port)
         print(f"test engine ({args.template}) listening on {url}", flush=True)
+        print(f'its tokenizer, for /start_rollout: "tokenizer_path": "test:{args.template}" '
+              f"(files: {engine.tokenizer_path})", flush=True)
         try:
             await stop.wait()
         finally:

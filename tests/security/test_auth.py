@@ -10,16 +10,18 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_plus, urljoin, urlsplit
 
 import httpx
 import pytest
 
 from rollout_buffer.cli import build_parser, settings_from, warn_if_exposed
-from rollout_buffer.security.auth import bearer_matches, capability, is_loopback, run_write_url
+from rollout_buffer.security.auth import bearer_matches, capability, is_loopback, run_write_url, same_origin_path
+from rollout_buffer.security.redaction import redact, redact_record
 from tests.support.helpers import REPO, ServerProcess, ServerSpec
+from tests.support.process_tools import wait_for
 from tests.support.runtime_helpers import LEGACY_TASKS, wait_status, write_rows
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -214,14 +216,87 @@ def test_status_sends_the_token_from_the_environment(server: ServerProcess, tmp_
         assert "rollout-buffer v" in done.stdout and server.url in done.stdout
 
 
-def test_the_token_in_a_dashboard_url_stays_out_of_the_access_log(tmp_path: Path) -> None:
-    with ServerProcess(tmp_path / "data", "--log-level", "info", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN}) as proc:
-        answer = httpx.get(f"{proc.url}/", params={"run": "r1", "token": TOKEN}, follow_redirects=False, timeout=10)
-        assert answer.status_code == 303
-        httpx.get(f"{proc.url}/runs", params={"token": "wrong-guess"}, timeout=10)
-        deadline = time.monotonic() + 10
-        while "token=<redacted>" not in proc.log_path.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        log = proc.log_path.read_text()
-    assert '"GET /?run=r1&token=<redacted> HTTP/1.1" 303' in log, log[-2000:]
-    assert "/runs?token=<redacted>" in log and TOKEN not in log and "wrong-guess" not in log
+def test_the_redirect_after_the_token_stays_on_this_server(server: ServerProcess) -> None:
+    """`GET //evil.example?token=<token>` must not send the browser (now holding the cookie) to another site:
+    whatever the path, Location is one path on this server, with nothing a browser reads as a host."""
+    attacks = ["//evil.example", "//evil.example/x", "///evil.example", "/\\evil.example", "/\\/evil.example",
+               "/%5Cevil.example", "/%2F%2Fevil.example", "/%2f/evil.example", "/http://evil.example",
+               "/%09/evil.example", "/%0A/evil.example", "/%20//evil.example", "/@evil.example"]
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        for path in attacks:
+            client.cookies.clear()  # the cookie of the last answer would open the path without the token
+            answer = client.get(f"{server.url}{path}?token={TOKEN}", follow_redirects=False)
+            assert answer.status_code == 303, (path, answer.status_code)
+            location = answer.headers["location"]
+            assert location.startswith("/") and not location.startswith("//"), (path, location)
+            assert not any(c in location for c in "\\\t\r\n "), (path, location)
+            target = urlsplit(urljoin(f"{server.url}{path}", location))
+            assert (target.scheme, target.netloc) == ("http", f"127.0.0.1:{server.port}"), (path, location)
+            if path == "//evil.example":
+                assert location == "/evil.example", location
+        assert same_origin_path("/") == "/" and same_origin_path("/runs/a b") == "/runs/a%20b"
+
+
+def test_redaction_units() -> None:
+    key = "ab" * 32
+    assert redact(f"GET /?run=r1&token={TOKEN} x") == "GET /?run=r1&token=<redacted> x"
+    for name in ("%74oken", "to%6Ben", "%74%6F%6B%65%6E", "tok%65n"):
+        assert unquote_plus(name) == "token"
+        assert redact(f"/?{name}={TOKEN}") == f"/?{name}=<redacted>", name
+    assert redact(f"/a%3Fb?x?token={TOKEN}&y=1") == "/a%3Fb?x?token=<redacted>&y=1", "a '?' hides no parameter"
+    for name in ("TOKEN", "Token", "%54oken"):  # not accepted as the token, but its value is the secret all the same
+        assert redact(f"/?{name}={TOKEN}") == f"/?{name}=<redacted>", name
+    assert redact("/?tokens=1&xtoken=2") == "/?tokens=1&xtoken=2", "other parameters stay"
+    once = redact(f'"GET /runs/r/cap/{key}/buffer/write?token={TOKEN}&a=1 HTTP/1.1" 200')
+    assert once == '"GET /runs/r/cap/<redacted>/buffer/write?token=<redacted>&a=1 HTTP/1.1" 200' == redact(once)
+    for url in (f"http://h:1/runs/r/cap/{key}/buffer/write", f"/runs/r/%63ap/{key}/buffer/write",
+                f"/runs/r%2Fcap%2F{key}%2Fbuffer/write", f"/runs/r/CAP/{key}"):
+        assert key not in redact(url) and "<redacted>" in redact(url), url
+    record = logging.LogRecord("httpx", logging.INFO, __file__, 1, "HTTP Request: %s %s %d", None, None)
+    record.args = ("POST", httpx.URL(f"http://h:1/runs/r/cap/{key}/buffer/write"), 200)
+    redact_record(record)
+    assert record.getMessage() == "HTTP Request: POST http://h:1/runs/r/cap/<redacted>/buffer/write 200"
+    split = logging.LogRecord("x", logging.INFO, __file__, 1, "/runs/r/cap/%s/buffer/write", (key,), None)
+    redact_record(split)
+    assert key not in split.getMessage(), "a key that is an argument of a URL template"
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_the_token_and_write_keys_stay_out_of_the_server_log(tmp_path: Path, level: str) -> None:
+    """A real server with `--auth-token-file`: the token, sent as `?token=` under any spelling of the name
+    that authenticates, and a run's write key, in capability URLs posted by the test and by a task module's
+    `requests`/`httpx` calls (which log URLs at DEBUG/INFO), appear nowhere in the server's output."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    encoded_value = "".join(f"%{byte:02X}" for byte in TOKEN.encode())
+    queries = [f"run=r1&token={TOKEN}", f"%74oken={TOKEN}", f"to%6Ben={TOKEN}", f"%74%6F%6B%65%6E={TOKEN}",
+               f"%74oken={encoded_value}", f"x=1?&token={TOKEN}"]
+    rows = [{"instance_id": f"p{i}", "prompt": f"prompt {i}"} for i in range(2)]
+    body = {"task_type": "slime_requests", "input_file": str(write_rows(tmp_path, rows)),
+            "num_repeat_per_sample": "2", "num_epoch": "1", "num_process": "1"}
+    with ServerProcess(tmp_path / "data", "--log-level", level, "--auth-token-file", str(token_file),
+                       "--task-dir", LEGACY_TASKS) as proc, \
+            httpx.Client(base_url=proc.url, timeout=30) as anonymous, \
+            httpx.Client(base_url=proc.url, timeout=30, headers=AUTH) as owner:
+        for query in queries:
+            answer = anonymous.get(f"{proc.url}/?{query}", follow_redirects=False)
+            assert answer.status_code == 303, (query, "the spelling authenticates, so it must be redacted")
+            anonymous.cookies.clear()  # else this answer's cookie, not the next query, would open the page
+        assert anonymous.get("/runs", params={"token": "wrong-guess"}).status_code == 401
+        started = owner.post("/start_rollout", json=body)
+        assert started.status_code == 200, started.text
+        run_id = started.json()["run_id"]
+        assert wait_status(owner, run_id, "finished")["records"]["written"] == 4, "the module wrote through its URL"
+        key = capability(TOKEN, run_id)
+        record = {"uid": "u-late", "instance_id": "late", "messages": [{"role": "user", "content": "q"}],
+                  "reward": 1.0, "extra_info": {}}
+        assert anonymous.post(f"/runs/{run_id}/cap/{key}/buffer/write", json=record).status_code == 200
+        access = f'"POST /runs/{run_id}/cap/<redacted>/buffer/write HTTP/1.1" 200'
+        wait_for(lambda: proc.log_path.read_text().count(access) >= 5, 15, "the five writes' access log lines")
+    log = proc.log_path.read_text()
+    assert TOKEN not in log and encoded_value not in log and key not in log and "wrong-guess" not in log, log[-3000:]
+    assert "Logging error" not in log, "every redacted record still formats"
+    assert '"GET /?%74oken=<redacted> HTTP/1.1" 303' in log and "/runs?token=<redacted>" in log
+    assert f"httpx: HTTP Request: POST {proc.url}/runs/{run_id}/cap/<redacted>/buffer/write" in log
+    urllib3_line = f'urllib3.connectionpool: {proc.url} "POST /runs/{run_id}/cap/<redacted>/buffer/write'
+    assert (urllib3_line in log) is (level == "debug"), "urllib3 logs the URL at DEBUG only"

@@ -1,0 +1,193 @@
+"""The README's walkthrough, run as written from a fresh copy of the checkout.
+
+Each fenced block that follows a `<!-- walkthrough: NAME -->` marker in README.md is run with bash in a copy
+of the working tree (its tracked and unignored files, as a clone has them) whose `.venv` is this
+interpreter's environment. Two things are changed, both outside the text a user types: the ports the README
+names (8889, 30000) become free ones, since test files run in parallel, and the slime block's `MODEL=` line
+names the test tokenizer's folder (no model is installed here). slime itself is replaced by
+tests/support/standin_train.py, which drives the adapter's real `generate_rollout` as slime's loop does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_buffer.testing.engine import run_engine_in_thread
+from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+from tests.support.helpers import REPO, ServerProcess, free_port
+from tests.support.process_tools import wait_for
+
+README = (REPO / "README.md").read_text()
+MARKER = re.compile(r"<!-- walkthrough: (?P<name>[\w-]+) -->\n```bash\n(?P<body>.*?)\n```", re.DOTALL)
+BLOCKS = {m["name"]: m["body"] for m in MARKER.finditer(README)}
+# the Task modules section's example, which the first run tells the reader to copy
+QA_TASK = re.search(r"```python\n(# my_tasks/qa_generator\.py .*?)\n```", README, re.DOTALL)
+
+
+def block(name: str, **ports: int) -> str:
+    """README block `name`, its ports 8889 and 30000 replaced by `buffer=` and `engine=`."""
+    text = BLOCKS[name]
+    if "buffer" in ports:
+        text = text.replace("8889", str(ports["buffer"]))
+    if "engine" in ports:
+        text = text.replace("30000", str(ports["engine"]))
+    return text
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The working tree's files as a fresh clone has them, with `.venv` = this interpreter's environment."""
+    root = tmp_path_factory.mktemp("readme") / "rollout-buffer"
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                            capture_output=True, timeout=60).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
+    venv = Path(sys.prefix)
+    assert (venv / "bin" / "activate").is_file(), "the tests run in a virtual environment, as the README's"
+    (root / ".venv").symlink_to(venv)
+    return root
+
+
+def env_for(clone: Path, **extra: str) -> dict[str, str]:
+    """A user's shell in the clone: no ROLLOUT_BUFFER_* settings, the clone's code first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_BUFFER_")}
+    env.update(PYTHONPATH=str(clone), ROLLOUT_BUFFER_WORKER_PROCESSES="0", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(clone: Path) -> Iterator[ServerProcess]:
+    """The quick start's `rollout-buffer serve`, started in the clone (its input root: the default, its cwd)."""
+    with ServerProcess(Path(".rollout-buffer"), cwd=clone, env=env_for(clone, ROLLOUT_BUFFER_INPUT_ROOT=str(clone))) \
+            as proc:
+        yield proc
+
+
+def test_every_walkthrough_block_is_run_here() -> None:
+    assert set(BLOCKS) == {"demo", "first-run-engine", "first-run-start", "slime-train"}, set(BLOCKS)
+
+
+@pytest.mark.timeout(240)
+def test_the_demo_runs_against_the_server_the_dashboard_shows(clone: Path, server: ServerProcess) -> None:
+    done = subprocess.run(["bash", "-c", block("demo", buffer=server.port)], cwd=clone, env=env_for(clone),
+                          capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"runs against the buffer at {server.url}" in done.stdout and "8 groups, 32 trajectories" in done.stdout
+    run_id = re.search(r"run (demo-\S+): watch it", done.stdout)
+    assert run_id, done.stdout
+    dashboard = httpx.get(f"{server.url}/api/dashboard", timeout=30).json()
+    assert run_id[1] in [run["run_id"] for run in dashboard["runs"]], "the dashboard on the server lists it"
+
+
+@pytest.mark.timeout(240)
+def test_a_first_run_against_the_test_engine(clone: Path, server: ServerProcess) -> None:
+    with running_test_engine(clone) as engine_port:
+        run_id, groups, samples = first_run(clone, server, engine_port)
+    assert groups >= 1 and 1 <= samples <= 4 * groups  # a group whose rollouts all failed has none
+    detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
+    assert detail["enqueue"]["tasks_total"] == 8 * 4, "examples/math.jsonl: 8 prompts x 4 repeats"
+
+
+@contextmanager
+def running_test_engine(clone: Path) -> Iterator[int]:
+    """The first run's `rollout-buffer test-engine` block, running on a free port; yields the port."""
+    port = free_port()
+    engine = subprocess.Popen(["bash", "-c", block("first-run-engine", engine=port)], cwd=clone,
+                              env=env_for(clone), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        assert engine.stdout is not None
+        printed = engine.stdout.readline() + engine.stdout.readline()
+        assert "listening on" in printed and '"tokenizer_path": "test:qwen2.5"' in printed, printed
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=2).status_code == 200,
+                 timeout_s=30, what="the test engine")
+        yield port
+    finally:
+        os.killpg(engine.pid, signal.SIGTERM)
+        engine.wait(timeout=30)
+
+
+def first_run(clone: Path, server: ServerProcess, engine_port: int, task_type: str = "math") -> tuple[str, int, int]:
+    """The first run's start-and-read block (with another `task_type` where the README says to send one):
+    (run id, groups, samples) as it printed them."""
+    text = block("first-run-start", buffer=server.port, engine=engine_port)
+    text = text.replace('"task_type": "math"', f'"task_type": "{task_type}"')
+    done = subprocess.run(["bash", "-c", text], cwd=clone, env=env_for(clone), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    started = re.search(r'"run_id":\s*"([^"]+)"', done.stdout)
+    read = re.search(r"^(\d+) groups, (\d+) samples$", done.stdout, re.M)
+    assert started and read, done.stdout
+    return started[1], int(read[1]), int(read[2])
+
+
+@pytest.mark.timeout(240)
+def test_a_task_written_from_the_readme_runs_against_the_test_engine(clone: Path) -> None:
+    assert QA_TASK, "the Task modules section's qa example"
+    (clone / "my_tasks").mkdir(exist_ok=True)
+    (clone / "my_tasks" / "qa_generator.py").write_text(QA_TASK[1] + "\n")
+    env = env_for(clone, ROLLOUT_BUFFER_INPUT_ROOT=str(clone))
+    with ServerProcess(Path("qa-data"), "--task-dir", "my_tasks", cwd=clone, env=env) as server, \
+            running_test_engine(clone) as engine_port:
+        assert "qa" in httpx.get(f"{server.url}/tasks", timeout=30).json()["tasks"]
+        run_id, groups, samples = first_run(clone, server, engine_port, task_type="qa")
+        assert groups >= 1 and 1 <= samples <= 4 * groups
+
+        def finished() -> dict[str, Any] | None:
+            detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
+            return detail if detail["tasks"]["done"] + detail["tasks"]["failed"] >= 8 * 4 else None
+
+        detail = wait_for(finished, timeout_s=120, what="every rollout of the qa run")
+    assert detail["tasks"]["done"] == 8 * 4, detail["failures"]
+
+
+def test_an_unknown_test_tokenizer_is_refused_naming_the_choices(server: ServerProcess) -> None:
+    body = {"task_type": "math", "input_file": "examples/math.jsonl", "remote_engine_url": "http://127.0.0.1:9",
+            "tokenizer_path": "test:llama"}
+    answer = httpx.post(f"{server.url}/start_rollout", json=body, timeout=30)
+    assert answer.status_code == 400 and "test:qwen2.5" in answer.json()["message"], answer.text
+    assert "tokenizer_path" in answer.json()["message"]
+
+
+@pytest.mark.timeout(420)
+def test_training_through_run_agent_and_resume(clone: Path) -> None:
+    shutil.copy(REPO / "tests" / "support" / "standin_train.py", clone / "train.py")
+    text, count = re.subn(r"^MODEL=\S+", f"MODEL={qwen_tokenizer_dir('qwen2.5')}", block("slime-train"), flags=re.M)
+    assert count == 1, "the block sets MODEL once"
+    port = free_port()
+    with run_engine_in_thread(template="qwen2.5", latency_s=0.01, seed=3) as engine:
+        env = env_for(clone, BUFFER_PORT=str(port), STANDIN_ENGINE_URL=engine.url,
+                      ROLLOUT_BUFFER_DATA_DIR=str(clone / "slime-data"))
+
+        def run(**extra: str) -> dict[str, object]:
+            done = subprocess.run(["bash", "-c", text], cwd=clone, env={**env, **extra}, capture_output=True,
+                                  text=True, timeout=180)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            assert "buffer stopped" in done.stderr
+            return json.loads(done.stdout.strip().splitlines()[-1])
+
+        crashed = run(STANDIN_STOP_AFTER="1")  # one step, its checkpoint saved, then the trainer is gone
+        resumed = run()  # the same command again
+    assert crashed["first_rollout_id"] == 0 and crashed["steps"] == [{"rollout_id": 0, "groups": 4, "samples": 16}]
+    assert crashed["buffer_url"] == f"http://127.0.0.1:{port}" and crashed["loss_mask_type"] == "qwen"
+    first = crashed["metadata"]["0"]["groups"]  # type: ignore[index]
+    assert len(first) == 4 and all(re.fullmatch(r"\d+:math-\d", key) for key in first), first
+    assert resumed["first_rollout_id"] == 1 and resumed["steps"] == [{"rollout_id": 1, "groups": 4, "samples": 16}]
+    second = resumed["metadata"]["1"]["groups"]  # type: ignore[index]
+    assert len(second) == 4 and not set(first) & set(second), "the resumed step got only untrained groups"

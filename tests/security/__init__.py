@@ -1,0 +1,1 @@
+"""Tests of `rollout_buffer/security/`."""
