@@ -10,6 +10,7 @@ prompt helps; the run also times the message path with its block cache switched 
   checked by the generator's "cheap" invariants);
 * baseline (what a skeptic would pick): slime's `MultiTurnLossMaskGenerator` algorithm for `qwen`, written
   here from its description: each message rendered and tokenized on its own (the first with the tools),
+  after the same per-call `get_added_vocab()` check for a distilled tokenizer that slime's `get_loss_mask` makes,
   the default system prompt's tokens cut off every later message, and an assistant message masked 1
   after its generation-prompt header. Its tokens must equal the message path's token for token (the run
   fails otherwise); its mask also covers the newline after each `<|im_end|>`, which the model never
@@ -122,6 +123,8 @@ class PerMessageBaseline:
 
     def prompt_response(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                         ) -> tuple[list[int], list[int], list[int]]:
+        if "<｜Assistant｜>" in self.tok.get_added_vocab():  # slime's per-call check for a distilled tokenizer
+            raise ValueError("the per-message baseline is for ChatML tokenizers")
         ids: list[int] = []
         mask: list[int] = []
         for i, message in enumerate(messages):

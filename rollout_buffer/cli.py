@@ -35,6 +35,8 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-lease-s", type=float,
                         help="seconds before a job whose worker stopped renewing its claim is reclaimed")
     parser.add_argument("--rollout-timeout-s", type=float, help="per-rollout time limit (default 1800)")
+    parser.add_argument("--session-timeout-s", type=float,
+                        help="a gateway session idle this long finishes as failed (default 600)")
     parser.add_argument("--allow-hub-downloads", action="store_true", default=None,
                         help="download tokenizers named by hub id when not in the local Hugging Face cache "
                              "(default: cache only)")

@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     # another worker. The name, `--task-lease-s`, is kept: operators' command lines use it.
     task_lease_s: float = Field(default=600.0, gt=0)
     rollout_timeout_s: float = Field(default=1800.0, gt=0)
+    # A gateway session (README "Train any agent") idle this long is finished as failed (counted).
+    session_timeout_s: float = Field(default=600.0, gt=0)
     log_level: str = "info"
     # How often the upkeep loop samples each live run's counters for the dashboard's throughput charts.
     timeline_interval_s: float = Field(default=5.0, gt=0)

@@ -37,6 +37,11 @@ template renders: text that does not parse as its structure (template control to
 text), a rendering that raises (a role the template rejects), a failed check. The sample builder never
 lets that out: `slime_adapter.message_path` turns it into a refused, zero-mask sample.
 
+Compiled rendering (`slime_adapter.chatml_render`): where the tokenizer's template is a ChatML template of
+the Qwen2.5 family, a compiled renderer checked character for character against the Jinja template on a
+probe corpus when the generator is built writes the text instead (Jinja stays the renderer for any template
+that differs, and for any conversation outside what was checked).
+
 Block cache: the rendering is cut right after every added control token it contains (`<|im_start|>`), and
 each block is tokenized once and kept (least recently used evicted): a fast tokenizer splits its input at
 added tokens before normalizing and pre-tokenizing, so the text tokenizes exactly as the concatenation of
@@ -55,6 +60,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from slime_adapter.chatml_render import ChatMLRenderer, verified_renderer
 from slime_adapter.span_locators import (
     AssistantSpanLocator,
     CharSpan,
@@ -171,6 +177,7 @@ class MultiTurnLossMaskGenerator:
         verify: bool | str = "cheap",
         chat_template_kwargs: dict[str, Any] | None = None,
         block_cache_size: int = 4096,
+        compiled_render: bool = True,
     ) -> None:
         locator_cls = locator_class(tokenizer_type)
         self.tokenizer = tokenizer
@@ -189,6 +196,10 @@ class MultiTurnLossMaskGenerator:
         # block text -> (ids, char starts, char ends) relative to the block; least recently used evicted
         self._block_cache: OrderedDict[str, _Block] = OrderedDict()
         self._block_lock = threading.Lock()
+        # a compiled renderer proven equal to this tokenizer's Jinja template (None: Jinja renders everything)
+        self._template: Any = getattr(tokenizer, "chat_template", None)
+        self.compiled: ChatMLRenderer | None = (
+            verified_renderer(tokenizer) if compiled_render and not self.chat_template_kwargs else None)
 
     def prepare_messages(self, messages: Sequence[Message]) -> list[Message]:
         """The messages as the serving engine hands them to the template (see the locator's
@@ -197,7 +208,11 @@ class MultiTurnLossMaskGenerator:
 
     def render(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the template renders it (messages already prepared), without a generation
-        prompt."""
+        prompt. The compiled renderer writes it where it was proven equal to the template, else Jinja."""
+        if self.compiled is not None and self.tokenizer.chat_template is self._template:
+            text = self.compiled.render(messages, tools)
+            if text is not None:
+                return text
         return self.tokenizer.apply_chat_template(
             list(messages), tools=tools, tokenize=False, add_generation_prompt=False, **self.chat_template_kwargs
         )
@@ -288,8 +303,8 @@ class MultiTurnLossMaskGenerator:
         ends: list[int] = []
         for base, (block_ids, block_starts, block_ends) in zip(edges, self._tokenize_blocks(blocks)):
             ids += block_ids
-            starts += [x + base for x in block_starts] if base else block_starts
-            ends += [x + base for x in block_ends] if base else block_ends
+            starts += map(base.__add__, block_starts) if base else block_starts  # map: no Python frame per id
+            ends += map(base.__add__, block_ends) if base else block_ends
         return ids, starts, ends
 
     def _decode(self, pieces: list[list[int]]) -> list[str]:

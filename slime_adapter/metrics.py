@@ -47,6 +47,7 @@ def aggregate_meta_info(all_meta_info: Sequence[dict[str, Any]]) -> dict[str, An
         "timed_out_groups": sum(_count(m.get("timed_out_groups")) for m in metas),
         "returned_samples": sum(int(m.get("returned_samples", 0)) for m in metas),
         "drops": dict(metas[-1].get("drops") or {}) if metas else {},
+        "gateway_forks": dict(metas[-1].get("gateway_forks") or {}) if metas else {},
         "reads": len(metas),
         "staleness": _staleness(metas),
         "dynamic_filter": _sum_dicts(m.get("dynamic_filter") for m in metas),
@@ -110,6 +111,10 @@ def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats |
         out[f"rollout/status/{status}"] = count
     for reason, count in sorted(agg["drops"].items()):
         out[f"rollout/drops/{reason}"] = count
+    for reason, count in sorted(agg["gateway_forks"].items()):
+        out[f"rollout/gateway_forks/{reason}"] = count
+    if agg["gateway_forks"]:
+        out["rollout/gateway_forks"] = sum(agg["gateway_forks"].values())
     for reason, count in sorted(agg["dynamic_filter"].items()):
         out[f"rollout/dynamic_filter/drop_{reason}"] = count
     staleness = agg["staleness"]

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from rollout_buffer import __version__
 from rollout_buffer.api.bodies import install_openapi
 from rollout_buffer.api.errors import BodySizeLimit, install_error_handlers
+from rollout_buffer.api.gateway import app as gateway
 from rollout_buffer.api.responses import OrjsonResponse
 from rollout_buffer.api.routes import ops, policy, reads, runs, writes
 from rollout_buffer.api.routes.dashboard import install_dashboard
@@ -85,7 +86,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         app.state.buffer = state
         app.state.remote = RemoteService(store, registry, settings, metrics=metrics)
         await app.state.remote.start()  # also resumes or reports /init rollouts a dead process left
-        upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep")]
+        upkeep = [asyncio.create_task(maintain(store, settings), name="rollout-buffer-upkeep"),
+                  gateway.start(app, store, settings)]
         if embedded is not None and embedded.owner:
             upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
         tune_gc()
@@ -97,6 +99,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
             for task in upkeep:
                 task.cancel()
             await app.state.remote.stop()
+            await gateway.stop(app)
             await state.runtime.shutdown()
             await store.close()
             if embedded is not None:
@@ -107,10 +110,12 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
                   default_response_class=OrjsonResponse, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_openapi(app)
+    # the write routes first: requests are matched route by route in order, and writes are most requests
+    for router in (writes.router, runs.router, reads.router, policy.router, ops.router, remote_router):
+        app.include_router(router)
     install_docs(app)
     install_dashboard(app)
-    for router in (runs.router, writes.router, reads.router, policy.router, ops.router, remote_router):
-        app.include_router(router)
+    gateway.include_routers(app)  # the agent gateway: sessions, and the OpenAI / Anthropic model endpoints
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     token = settings.resolved_auth_token()

@@ -47,6 +47,19 @@ def run_summary(run: RunSnapshot, active_run: str | None, now: float) -> dict[st
         "failures": sum(run.prefixed("rollout_errors:").values()),
         "drops": sum(run.prefixed("drop:").values()),
         "rollouts_per_s": latest.get("rollouts_per_s"), "tokens_per_s": latest.get("tokens_per_s"),
+        "gateway_sessions_open": run.gateway_sessions_open(), "gateway_turns_per_s": latest.get("gateway_turns_per_s"),
+    }
+
+
+def gateway_view(run: RunSnapshot, turns_per_s: float | None) -> dict[str, Any]:
+    """The agent gateway's sessions, turns and forks of a run (all zero for a run without sessions)."""
+    return {
+        "sessions_open": run.gateway_sessions_open(), "sessions_created": run.stat("gateway_sessions_created"),
+        "sessions_finished": run.stat("gateway_sessions_finished"),
+        "sessions_timed_out": run.stat("gateway_sessions_timed_out"), "turns": run.stat("gateway_turns"),
+        "turns_per_s": turns_per_s, "forks": run.stat("gateway_forks"),
+        "forks_by_reason": run.prefixed("gateway_forks:"),
+        "malformed_tool_calls": run.stat("gateway_malformed_tool_calls"), "replays": run.stat("gateway_replays"),
     }
 
 
@@ -93,6 +106,7 @@ async def run_detail(store: Store, run: RunSnapshot, now: float, reads: int = DE
         "engine_latency": histograms.read_histogram(run.stats, histograms.ENGINE_CALL).as_dict(),
         "rollout_duration": histograms.read_histogram(run.stats, histograms.ROLLOUT_DURATION).as_dict(),
         "handover_delay": histograms.read_histogram(run.stats, histograms.HANDOVER_DELAY).as_dict(),
+        "gateway": gateway_view(run, rates[-1].get("gateway_turns_per_s") if rates else None),
     }
 
 

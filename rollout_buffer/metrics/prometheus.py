@@ -38,6 +38,13 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("engine_abort_continuations", "Generations the engine aborted, continued with the rest of the budget",
      "engine_abort_continuations"),
     ("generated_tokens", "Tokens the engine generated for the run's rollouts", "tokens_generated"),
+    ("gateway_sessions_created", "Agent gateway sessions created", "gateway_sessions_created"),
+    ("gateway_sessions_finished", "Agent gateway sessions finished by their client", "gateway_sessions_finished"),
+    ("gateway_sessions_timed_out", "Agent gateway sessions finished as failed after the idle timeout",
+     "gateway_sessions_timed_out"),
+    ("gateway_turns", "Model calls answered by the agent gateway (replayed retries not counted)", "gateway_turns"),
+    ("gateway_malformed_tool_calls", "Tool calls the gateway could not parse (returned as text)",
+     "gateway_malformed_tool_calls"),
 )
 # (name, help, label, stats prefix)
 LABELLED_COUNTERS: tuple[tuple[str, str, str, str], ...] = (
@@ -45,6 +52,8 @@ LABELLED_COUNTERS: tuple[tuple[str, str, str, str], ...] = (
     ("drops", "Things dropped, by reason (filtered and timed-out groups, late or refused writes, ...)", "reason",
      "drop:"),
     ("rollout_failures", "Rollouts that ended in a failure record, by error type", "error_type", "rollout_errors:"),
+    ("gateway_forks", "Agent gateway sessions forked because the client changed history, by reason", "reason",
+     "gateway_forks:"),
 )
 STALE_ACTIONS = ("requeued", "dropped", "kept")
 HISTOGRAMS: tuple[tuple[str, str, histograms.HistogramSpec], ...] = (
@@ -86,7 +95,9 @@ def run_families(runs: list[RunSnapshot], active_run: str | None, now: float | N
                                "timed_out and completed so far", labels=["run_id", "state"])
     rates = {name: GaugeMetricFamily(f"{NS}_{name}", doc, labels=["run_id"]) for name, doc in (
         ("generated_tokens_per_second", "Tokens generated per second over the last sampling interval"),
-        ("rollouts_per_second", "Rollouts finished per second over the last sampling interval"))}
+        ("rollouts_per_second", "Rollouts finished per second over the last sampling interval"),
+        ("gateway_sessions_open", "Agent gateway sessions open now"),
+        ("gateway_turns_per_second", "Agent gateway model calls per second over the last sampling interval"))}
     counters = {name: CounterMetricFamily(f"{NS}_{name}", doc, labels=["run_id"]) for name, doc, _ in COUNTERS}
     labelled = {name: CounterMetricFamily(f"{NS}_{name}", doc, labels=["run_id", label])
                 for name, doc, label, _ in LABELLED_COUNTERS}
@@ -110,6 +121,10 @@ def run_families(runs: list[RunSnapshot], active_run: str | None, now: float | N
         points = timeline.with_live_point(run.recent_points, run.stats, now)
         rates["generated_tokens_per_second"].add_metric([rid], timeline.latest_rate(points, "tokens_per_s") or 0.0)
         rates["rollouts_per_second"].add_metric([rid], timeline.latest_rate(points, "rollouts_per_s") or 0.0)
+        if run.stat("gateway_sessions_created"):
+            rates["gateway_sessions_open"].add_metric([rid], run.gateway_sessions_open())
+            rates["gateway_turns_per_second"].add_metric([rid], timeline.latest_rate(points, "gateway_turns_per_s")
+                                                         or 0.0)
         for name, _, field in COUNTERS:
             counters[name].add_metric([rid], run.stats.get(field, 0))
         for name, _, _, prefix in LABELLED_COUNTERS:

@@ -48,6 +48,11 @@ class RunSnapshot:
         """Counters named `<prefix><name>`, as {name: value}."""
         return {k[len(prefix):]: int(v) for k, v in self.stats.items() if k.startswith(prefix)}
 
+    def gateway_sessions_open(self) -> int:
+        """Agent gateway sessions created and not yet finished (by their client or the idle timeout)."""
+        return max(0, self.stat("gateway_sessions_created") - self.stat("gateway_sessions_finished")
+                   - self.stat("gateway_sessions_timed_out"))
+
     def tasks(self) -> dict[str, int]:
         """Tasks by state, and `total` (known once every task was enqueued; else what was enqueued so far)."""
         states = {name: self.stat(f"tasks_{name}") for name in ("queued", "running", "done", "failed", "skipped")}

@@ -20,7 +20,7 @@ from rollout_buffer.store import keys
 from rollout_buffer.store.batching import run_scripts
 
 FIELDS = ("tasks_done", "tasks_failed", "tokens_generated", "records_written", "samples_handed", "groups_handed",
-          "engine_calls")
+          "engine_calls", "gateway_turns")
 # rate name -> the counters whose sum it differentiates
 RATES: dict[str, tuple[str, ...]] = {
     "rollouts_per_s": ("tasks_done", "tasks_failed"),
@@ -28,6 +28,7 @@ RATES: dict[str, tuple[str, ...]] = {
     "records_per_s": ("records_written",),
     "samples_handed_per_s": ("samples_handed",),
     "engine_calls_per_s": ("engine_calls",),
+    "gateway_turns_per_s": ("gateway_turns",),
 }
 MAX_POINTS = 1440
 

@@ -123,6 +123,8 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
         checked_engine_urls(access, request.remote_engine_url)
         if task.kind == "legacy":  # the module is handed the URL with the run's write key in it
             request.remote_buffer_url = buffer_url_for(access, request.remote_buffer_url, own_url)
+        elif own_url and not request.remote_buffer_url:  # where a rollout's `ctx.session()` agent calls in
+            request.remote_buffer_url = own_url
     except AccessDenied as exc:
         raise StartRolloutError(exc.field, str(exc), exc.status_code) from exc
     return task

@@ -126,6 +126,8 @@ def _meta_info(batch: ReadBatch, info: dict[str, Any], records: list[dict[str, A
         "num_filtered_groups": len(info["filtered_groups"]),
         "timed_out_groups": batch.timed_out_groups,
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
+        # agent gateway sessions whose client changed history, by reason (cumulative)
+        "gateway_forks": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("gateway_forks:")},
         **info,
     }
     if batch.kind in ("leased", "retry"):

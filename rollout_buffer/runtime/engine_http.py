@@ -55,7 +55,7 @@ async def close_session(session: aiohttp.ClientSession) -> None:
 async def post_once(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *,
                     headers: dict[str, str], timeout_s: float) -> dict[str, Any]:
     """One POST; classifies every failure as transient or final."""
-    payload = orjson.dumps(body)
+    payload = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)  # token ids may come as a numpy array
     try:
         async with session.post(url, data=payload, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                 headers={"Content-Type": "application/json", **headers}) as response:

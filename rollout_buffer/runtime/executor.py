@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from rollout_buffer.runtime.rollout_session import RolloutSession
 from rollout_buffer.metrics.histograms import ROLLOUT_DURATION
 from rollout_buffer.runtime.chat_client import ChatCompletionsClient
 from rollout_buffer.runtime.engine_http import RetryPolicy
@@ -125,8 +126,8 @@ async def execute(handle: RunHandle, job: Job, *, store: Store, session: aiohttp
                                 "was stopped each time)", messages=_prompt_messages(handle, claim.sample),
                                 tools=handle.task.tools, duration_s=0.0, error_type="TooManyAttempts", **common)
     else:
-        record = await _rollout(handle, job, claim.sample, session=session, uid=uid, attempt=claim.attempt,
-                                stats=stats, worker=worker, started=time.monotonic())
+        record = await _rollout(handle, job, claim.sample, session=session, store=store, uid=uid,
+                                attempt=claim.attempt, stats=stats, worker=worker, started=time.monotonic())
         ROLLOUT_DURATION.observe(stats, float(record.get("duration_s") or 0.0))
     failed = record["status"] == "failed"
     if failed:
@@ -144,7 +145,8 @@ async def execute(handle: RunHandle, job: Job, *, store: Store, session: aiohttp
 
 
 async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session: aiohttp.ClientSession,
-                   uid: str, attempt: int, stats: Counter[str], worker: str, started: float) -> dict[str, Any]:
+                   store: Store, uid: str, attempt: int, stats: Counter[str], worker: str,
+                   started: float) -> dict[str, Any]:
     client = handle.engine_client(session, uid, stats)
     start_version = await handle.policy_version()
     logger = logging.LoggerAdapter(log, {"uid": uid, "worker": worker})
@@ -154,6 +156,10 @@ async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session
         epoch=job.epoch, repeat=job.repeat, task_type=handle.task.task_type,
         extra={"options": handle.options.extra}, line=line,
     )
+    gateway = RolloutSession(store=store, run_id=handle.run_id, uid=uid, attempt=attempt,
+                             instance_id=job.instance_id, epoch=job.epoch,
+                             buffer_url=handle.request.remote_buffer_url)
+    ctx.session_opener = gateway.open
     common: dict[str, Any] = {"uid": uid, "instance_id": job.instance_id, "epoch": job.epoch,
                               "repeat": job.repeat, "attempt": attempt, "generation": job.gen}
 
@@ -174,8 +180,9 @@ async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session
             if not deadline.expired():  # the task's own timeout, not ours: an ordinary failure
                 raise
             raise RolloutTimeout(f"rollout did not finish within {limit:g}s") from exc
-        last_finish = client.turns[-1]["finish_reason"] if client.turns else None
-        return success_record(result, turns=client.turns, tools=_tools_of(client, handle), last_finish=last_finish,
+        turns = client.turns + await gateway.collect()  # an in-process agent's gateway turns, if any
+        last_finish = turns[-1]["finish_reason"] if turns else None
+        return success_record(result, turns=turns, tools=_tools_of(client, handle), last_finish=last_finish,
                               duration_s=time.monotonic() - started, policy_version=version(), **common)
     except asyncio.CancelledError:
         raise

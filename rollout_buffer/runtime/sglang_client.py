@@ -100,6 +100,7 @@ class RolloutEngineSession:
         self.guard = HistoryGuard()
         self.clock = clock
         self.versions: list[int] = []  # the stamp of every piece that produced tokens
+        self.rid_prefix: str | None = None  # engine request ids start with it (default: the routing key)
 
     @property
     def url(self) -> str:
@@ -162,6 +163,10 @@ class GenerateClient(RolloutEngineSession):
         self.guard.record(messages, tools, message)
         return ChatResult(message=message, finish_reason=turn["finish_reason"], turn=turn)
 
+    async def generate_turn(self, prompt_ids: Any, params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """One token-exact turn for prompt ids the caller rendered (the agent gateway): (turn, text)."""
+        return await self._generate(prompt_ids, params)
+
     async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """One turn: generate, continuing aborted pieces with the remaining budget."""
         budget = int(params["max_new_tokens"])
@@ -176,10 +181,12 @@ class GenerateClient(RolloutEngineSession):
             if remaining <= 0:
                 finish = "length"
                 break
-            body = {"input_ids": [*prompt_ids, *output_ids], "return_logprob": True,
+            # prompt ids may be a numpy array (the gateway's): sent as it is, without a Python int per token
+            body = {"input_ids": [*prompt_ids, *output_ids] if output_ids else prompt_ids, "return_logprob": True,
                     "sampling_params": {**params, "max_new_tokens": remaining}}
             started = await self.policy_version(fresh=piece > 0)
-            ids, lps, text, finish, version = await self._call(body, f"{self.routing_key}:{len(self.turns)}:{piece}")
+            rid_base = f"{self.rid_prefix or self.routing_key}:{len(self.turns)}:{piece}"
+            ids, lps, text, finish, version = await self._call(body, rid_base)
             output_ids.extend(ids)
             logprobs.extend(lps)
             texts.append(text)

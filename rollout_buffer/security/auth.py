@@ -33,6 +33,9 @@ if TYPE_CHECKING:  # types only: the trainer side imports this module and instal
     from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health"})
+# The agent gateway's model endpoints and session finish check a session's own API key (or the token) in
+# the route (`rollout_buffer.api.gateway`); creating sessions needs the token like every other route.
+GATEWAY_PREFIXES = ("/v1/", "/sessions/")
 CAPABILITY_PATH = re.compile(r"^/runs/(?P<run_id>[^/]+)/cap/(?P<key>[0-9a-f]{64})/buffer/write$")
 _BEARER = b"bearer "
 COOKIE = "rollout_buffer_token"
@@ -134,7 +137,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path.startswith(GATEWAY_PREFIXES):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))

@@ -46,6 +46,13 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
     rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
     rb:{R}:replica_barrier      string written before WAIT (--redis-wait-replicas); expires after a minute
+    rb:{R}:sessions             hash   session id -> gateway session (JSON: instance, epoch, key digest, metadata)
+    rb:{R}:session_status       hash   session id -> open | finished | failed
+    rb:{R}:session_open         zset   session id -> last activity (unix time) of open sessions (idle timeout)
+    rb:{R}:session_seq          hash   instance_id -> sessions created for it (assigns epochs to groups)
+    rb:{R}:session_nodes        hash   "{sid}|{n}" -> packed turn n of a session; "{sid}|#" -> turns so far
+    rb:{R}:session_index        hash   "{sid}|p|{digest}" -> turn whose history ends so; "{sid}|r|{digest}" -> turn
+                                       that answered that exact request (retries replay it)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
@@ -172,7 +179,8 @@ def run_keys(run_id: str) -> list[str]:
     return [make(run_id) for make in (
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
         stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
-        group_version, group_generation, group_started, lines, read_log, timeline, expired_leases, group_lease)]
+        group_version, group_generation, group_started, lines, read_log, timeline, expired_leases, group_lease,
+        sessions, session_status, session_open, session_seq, session_nodes, session_index)]
 
 
 def replica_barrier(run_id: str) -> str:
@@ -225,3 +233,27 @@ def read_log(run_id: str) -> str:
 
 def timeline(run_id: str) -> str:
     return f"{_tag(run_id)}:timeline"
+
+
+def sessions(run_id: str) -> str:
+    return f"{_tag(run_id)}:sessions"
+
+
+def session_status(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_status"
+
+
+def session_open(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_open"
+
+
+def session_seq(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_seq"
+
+
+def session_nodes(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_nodes"
+
+
+def session_index(run_id: str) -> str:
+    return f"{_tag(run_id)}:session_index"

@@ -59,6 +59,7 @@ ones; never edit earlier messages), else `HistoryRewriteError`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,3 +132,13 @@ class RolloutContext:
     task_type: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     line: dict[str, Any] = field(default_factory=dict)  # the input line as read, before the key mapping
+    # opens this rollout's agent gateway session (`session()`); set by the runtime
+    session_opener: Callable[[], Awaitable[dict[str, Any]]] | None = None
+
+    async def session(self) -> dict[str, Any]:
+        """This rollout's agent gateway session, for an agent in this process that speaks OpenAI or Anthropic:
+        `{session_id, api_key, openai_base_url, anthropic_base_url}` (the same on every call). Its turns become
+        the rollout's record's `turns`, token-exact, as `ctx.engine`'s would."""
+        if self.session_opener is None:
+            raise RuntimeError("this rollout has no agent gateway session (the runtime did not provide one)")
+        return await self.session_opener()

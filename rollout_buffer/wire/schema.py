@@ -123,7 +123,8 @@ class StartRolloutRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     task_type: str = Field(min_length=1)
-    input_file: str = Field(min_length=1)
+    # required, except by an `external` run (the agent gateway: sessions come from clients, not a file)
+    input_file: str = ""
     num_process: int = Field(default=32, ge=1, le=65536)
     num_epoch: int = Field(default=1, ge=1, le=1_000_000)
     num_repeat_per_sample: int = Field(default=1, ge=1, le=4096)
@@ -139,6 +140,12 @@ class StartRolloutRequest(BaseModel):
     skip_groups: list[str] = Field(default_factory=list)
     run_id: str | None = None
     min_valid_group_size: int | None = Field(default=None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _input_file_unless_external(self) -> "StartRolloutRequest":
+        if not self.input_file and self.task_type != "external":
+            raise ValueError("input_file: required (only task_type 'external' runs without one)")
+        return self
 
     @field_validator("skip_groups", mode="before")
     @classmethod

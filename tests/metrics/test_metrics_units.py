@@ -61,7 +61,7 @@ def test_rates_are_differences_between_neighbouring_samples() -> None:
     second = [102.0, 10.0, 2.0, 500.0, *([0.0] * (fields - 3))]
     rates = timeline.rates([first, second])
     assert rates == [{"t": 102.0, "rollouts_per_s": 6.0, "tokens_per_s": 250.0, "records_per_s": 0.0,
-                      "samples_handed_per_s": 0.0, "engine_calls_per_s": 0.0}]
+                      "samples_handed_per_s": 0.0, "engine_calls_per_s": 0.0, "gateway_turns_per_s": 0.0}]
     assert timeline.rates([first]) == [] and timeline.latest_rate([first], "tokens_per_s") is None
     live = timeline.with_live_point([second], {"tokens_generated": 800.0}, now=102.5)
     assert len(live) == 1, "too close to the last sample for a rate"

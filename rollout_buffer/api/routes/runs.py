@@ -24,6 +24,14 @@ router = APIRouter()
 async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
     """Start a run (or find the same one already running) and launch its rollouts."""
     state = state_of(request)
+    if body.task_type == "external" and (not body.input_file or state.registry.get("external") is None):
+        try:  # the agent gateway's run: sessions come from clients (rollout_buffer.api.gateway)
+            run_id, created = await request.app.state.gateway.start_run(body)
+        except StartRolloutError as exc:
+            return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
+        verb = "started" if created else "already exists"
+        return {"message": f"external run {run_id} {verb}", "run_id": run_id, "created": created,
+                "skipped_instance_ids": 0, "skipped_groups": 0}
     # slime-style modules write back to us (never to the Host header's choice) or to an allowed URL
     own_url = own_base_url(request.scope.get("server"), str(request.base_url))
     try:

@@ -239,6 +239,15 @@
     const drops = Object.entries(run.drops).filter(([, n]) => n > 0);
     $("#drops tbody").replaceChildren(...drops.map(([reason, n]) => h("tr", {}, h("td", {}, reason), h("td", { class: "num" }, num(n)))));
     showEmpty("drops", drops.length === 0);
+    const gw = run.gateway;
+    const gatewayRows = gw && gw.sessions_created ? [["sessions open", num(gw.sessions_open)],
+      ["sessions finished", num(gw.sessions_finished)], ["sessions timed out", num(gw.sessions_timed_out)],
+      ["turns", num(gw.turns)], ["turns/s", gw.turns_per_s == null ? "–" : num(gw.turns_per_s, 2)],
+      ["forks", num(gw.forks)], ...Object.entries(gw.forks_by_reason).map(([r, n]) => [`forks: ${r}`, num(n)]),
+      ["malformed tool calls", num(gw.malformed_tool_calls)]] : [];
+    $("#gateway tbody").replaceChildren(...gatewayRows.map(([name, value]) => h("tr", {}, h("td", {}, name),
+      h("td", { class: "num" }, value))));
+    showEmpty("gateway", gatewayRows.length === 0);
     const reads = run.reads.slice(-25).reverse();
     $("#reads tbody").replaceChildren(...reads.map((r) => h("tr", {},
       h("td", {}, clock(r.t)), h("td", { class: "num" }, num(r.groups)), h("td", { class: "num" }, num(r.samples)),

@@ -43,6 +43,7 @@ def routes(engine: TestEngine) -> dict[str, dict[str, Handler]]:
         (get, "/_test/stats", _stats),
         (post, "/_test/reset_stats", _reset_stats),
         (get, "/_test/routing_keys", _routing_keys),
+        (get, "/_test/calls", _calls),
         (get, "/_test/config", _get_config),
         (post, "/_test/config", _set_config),
     ]
@@ -145,6 +146,12 @@ async def _flush_cache(engine: TestEngine, request: Request) -> web.Response:
 
 async def _stats(engine: TestEngine, request: Request) -> web.Response:
     return json_response(engine.stats_dict())
+
+
+async def _calls(engine: TestEngine, request: Request) -> web.Response:
+    """The engine's log of generations (reset with the stats): each `{rid, routing_key, prompt_ids,
+    output_ids, output_logprobs}`, so a test can check recorded turns against what the engine really did."""
+    return json_response(engine.call_log())
 
 
 async def _routing_keys(engine: TestEngine, request: Request) -> web.Response:

@@ -9,6 +9,7 @@ from other threads while the engine serves on its own loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import socket
 import threading
 import uuid
@@ -38,6 +39,7 @@ from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwe
 
 Build = Callable[["TestEngine", dict[str, Any], str], Awaitable[Any]]
 ENGINE_ID_HEADER = "X-Test-Engine-Id"
+CALL_LOG_SIZE = 2_048  # generations kept in the call log (the oldest go first)
 
 
 class TestEngine:
@@ -82,6 +84,9 @@ class TestEngine:
             self.stop_ids.add(int(tokenizer.pad_token_id))
         self.stats = EngineStats()
         self.routing_keys: dict[str, int] = {}  # generation requests per X-SMG-Routing-Key (GET /_test/routing_keys)
+        # every generation's ids, in order (GET /_test/calls): the ground truth token-exact records are checked
+        # against
+        self.calls: collections.deque[dict[str, Any]] = collections.deque(maxlen=CALL_LOG_SIZE)
         self._lock = threading.Lock()
         self.policy = ScriptedPolicy(self.codec, template, self.eos_id, self.config, responder)
         self.faults = FaultInjector(self.config, self.stats, self._lock)
@@ -147,6 +152,12 @@ class TestEngine:
         with self._lock:
             self.stats.reset()
             self.routing_keys.clear()
+            self.calls.clear()
+
+    def call_log(self) -> list[dict[str, Any]]:
+        """A copy of the log of generations (see `calls`)."""
+        with self._lock:
+            return list(self.calls)
 
     def count_endpoint(self, path: str) -> None:
         with self._lock:
@@ -191,6 +202,8 @@ class TestEngine:
         with self._lock:
             self.stats.prompt_tokens += len(prompt_ids)
             self.stats.generated_tokens += len(ids)
+            self.calls.append({"rid": request_id, "prompt_ids": list(prompt_ids), "output_ids": list(ids),
+                               "output_logprobs": list(plan.logprobs[: len(ids)]), "finish_reason": reason})
         return Result(ids, plan.logprobs[: len(ids)], reason, text, list(prompt_ids), request_id)
 
     async def serve_generation(self, request: Request, build: Build) -> web.Response:

@@ -1,0 +1,221 @@
+"""Against slime's own code, in the same run: `python -m bench --slime-dir DIR` (a checkout of slime's
+repository; nothing of it is copied into this project, it is loaded from DIR at run time).
+
+* message-path loss masks: slime's `MultiTurnLossMaskGenerator` (`slime/utils/mask_utils.py`, type
+  "qwen") against our `build_samples` on records without `turns`, on the same distinct 4-turn tool-use
+  conversations (`bench.sample_building.make_trajectories`, Qwen2.5 tokenizer); every conversation's ids
+  must be identical or the run fails. Samples per CPU second of this process (the tokenizer's batch calls
+  run in threads of this process, so their CPU is counted too); best of 3 rounds per side, the sides
+  alternating, our block cache cold at the start of each round.
+* single-record writes: slime's buffer server (`slime_plugins/rollout_buffer/buffer.py`, served by
+  uvicorn as its `__main__` serves it, access log off) against our `/buffer/write` on a `rollout-buffer
+  serve` process (embedded Redis, append-only file on), the same ~48 KB records, 64 clients each.
+* full read to records in the trainer's hands: after the writes, one `/get_rollout_data` of everything,
+  each side with its own client: slime's (aiohttp, the body parsed with `json`, as
+  `rollout_buffer_example.py` reads) and ours (the adapter's packed read, decoded into numpy arrays).
+
+Writes and reads alternate which side goes first; each side's best trial counts (the one least disturbed by
+other jobs on a shared machine), every trial is kept in the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+SLIME_GROUP = 16  # slime's buffer hands out groups of its default size (16)
+CLIENTS = 64
+MASK_ROUNDS = 3
+
+
+def _load(slime_dir: Path, relative: str, name: str) -> Any:
+    """A module of slime's checkout, loaded from its file (no package import, no copy)."""
+    path = slime_dir / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not a slime checkout (pass --slime-dir)")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def masks(slime_dir: Path, quick: bool) -> dict[str, Any]:
+    """Message-path loss masks against slime's real generator, tokens compared conversation by conversation."""
+    from bench.sample_building import _rate, make_trajectories
+    from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
+    from slime_adapter.build import build_samples
+    from slime_adapter.loss_mask import cached_loss_mask_generator
+
+    mask_utils = _load(slime_dir, "slime/utils/mask_utils.py", "slime_mask_utils")
+    n = 256 if quick else 1024
+    tok = load_qwen_tokenizer("qwen2.5")
+    getter = lambda: tok  # noqa: E731
+    _, records = make_trajectories(n)
+    slime = mask_utils.MultiTurnLossMaskGenerator(tok, tokenizer_type="qwen")
+    warm = make_trajectories(2, seed=99)[1]
+    build_samples(warm[0], getter, "qwen")
+    slime.get_loss_mask(warm[1]["messages"], warm[1]["tools"])
+    generator = cached_loss_mask_generator("qwen", tok)
+    rates: dict[str, list[float]] = {"ours": [], "slime": []}
+    for round_ in range(MASK_ROUNDS):  # sides alternate; each round starts our block cache cold
+        for side in ("ours", "slime") if round_ % 2 == 0 else ("slime", "ours"):
+            if side == "ours":
+                generator.clear_block_cache()
+                rate, samples = _rate(n, lambda: [build_samples(r, getter, "qwen")[0][0] for r in records])
+            else:
+                rate, reference = _rate(n, lambda: [slime.get_loss_mask(r["messages"], r["tools"]) for r in records])
+            rates[side].append(rate)
+        for sample, (ids, _mask) in zip(samples, reference):
+            if sample.tokens != ids:
+                raise AssertionError(f"our tokens differ from slime's generator for {sample.metadata['uid']}")
+    ours_rate, slime_rate = max(rates["ours"]), max(rates["slime"])  # best of the rounds: the least disturbed
+    return {"samples": n, "rounds": rates, "ours_per_s": ours_rate, "slime_per_s": slime_rate,
+            "ratio": ours_rate / slime_rate, "identical_tokens": True}
+
+
+def _serve_slime(slime_dir: Path, port: int) -> None:
+    """slime's buffer app, served as its `__main__` serves it (on loopback, access log off)."""
+    import uvicorn
+
+    buffer = _load(slime_dir, "slime_plugins/rollout_buffer/buffer.py", "slime_rollout_buffer")
+    uvicorn.run(buffer.app, host="127.0.0.1", port=port, limit_concurrency=1000, timeout_keep_alive=5,
+                log_level="warning")
+
+
+async def _read_slime(url: str) -> list[dict[str, Any]]:
+    """slime's own client read (`rollout_buffer_example.get_rollout_data`): aiohttp, JSON body."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/get_rollout_data", json={},
+                                timeout=aiohttp.ClientTimeout(total=600)) as response:
+            answer = await response.json()
+    return answer["data"]["data"]
+
+
+def _bodies(count: int, run_id: str | None, tag: str, seed: int) -> list[bytes]:
+    from bench.read_throughput import as_lists, make_record
+
+    out = []
+    for i in range(count):
+        record = as_lists(make_record(i, seed=seed))
+        record.update(uid=f"{tag}-{i}", instance_id=f"{tag}-g{i // SLIME_GROUP}")
+        if run_id is not None:
+            record["run_id"] = run_id
+        out.append(orjson.dumps(record))
+    return out
+
+
+def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
+    """Writes, then one full read, on both sides; `trials` rounds, sides alternating."""
+    from bench.ingest import _drive
+    from bench.read_throughput import TASKS, _timed_read, _wait_healthy
+    from tests.support.helpers import ServerProcess, free_port, write_jsonl
+
+    count, trials = (512, 2) if quick else (2048, 3)
+    writes: dict[str, list[float]] = {"slime": [], "ours": []}
+    reads: dict[str, list[float]] = {"slime": [], "ours": []}
+    ours_body: list[float] = []  # our read's seconds to the whole body (server work and transfer)
+    record_bytes = 0
+    with tempfile.TemporaryDirectory(prefix="rb-bench-slime-") as tmp:
+        work = Path(tmp)
+        input_file = write_jsonl(work / "in.jsonl", [{"instance_id": "x"}])
+        port = free_port()
+        slime = subprocess.Popen([sys.executable, "-m", "bench.against_slime", "--serve-slime", str(port),
+                                  "--slime-dir", str(slime_dir)], cwd=Path(__file__).resolve().parent.parent,
+                                 stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "0"})
+        loop = asyncio.new_event_loop()
+        try:
+            slime_url = f"http://127.0.0.1:{port}"
+            _wait_healthy(slime_url, slime)
+            with ServerProcess(work / "data", "--task-dir", str(TASKS), "--workers", "0") as server:
+                for trial in range(trials + 1):  # trial 0 warms both up and is not counted
+                    run_id = loop.run_until_complete(_start(server.url, input_file, f"slime{trial}"))
+                    bodies = {"slime": _bodies(count, None, f"s{trial}", trial),
+                              "ours": _bodies(count, run_id, f"o{trial}", trial)}
+                    record_bytes = len(bodies["ours"][0])
+                    order = ["slime", "ours"] if trial % 2 else ["ours", "slime"]
+                    for side in order:
+                        url = f"{slime_url}/buffer/write" if side == "slime" else f"{server.url}/buffer/write"
+                        seconds = loop.run_until_complete(_drive(url, bodies[side], clients=CLIENTS))
+                        if trial:
+                            writes[side].append(seconds)
+                    del bodies
+                    for side in order:
+                        started = time.perf_counter()
+                        if side == "slime":
+                            got = loop.run_until_complete(_read_slime(slime_url))
+                            elapsed = time.perf_counter() - started
+                        else:
+                            body_s, elapsed, got = _timed_read(loop, server.url, "packed", run_id, count)
+                            if trial:
+                                ours_body.append(body_s)
+                        if len(got) != count:
+                            raise AssertionError(f"{side} read {len(got)} of {count} records")
+                        if trial:
+                            reads[side].append(elapsed)
+                        del got
+        finally:
+            loop.close()
+            slime.terminate()
+            slime.wait(timeout=30)
+    # best of the trials per side (the least disturbed by other jobs on the machine); every trial is kept
+    write_rate = {side: count / min(v) for side, v in writes.items()}
+    read_rate = {side: count / min(v) for side, v in reads.items()}
+    return {"records": count, "record_json_bytes": record_bytes, "clients": CLIENTS, "write_s": writes,
+            "read_s": reads, "ours_read_body_s": ours_body, "write_per_s": write_rate, "read_per_s": read_rate,
+            "write_ratio": write_rate["ours"] / write_rate["slime"],
+            "read_ratio": read_rate["ours"] / read_rate["slime"]}
+
+
+async def _start(url: str, input_file: Path, tag: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/start_rollout", json={
+                "task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": SLIME_GROUP,
+                "run_id": f"bench-{tag}-{int(time.time() * 1000)}"}) as response:
+            return (await response.json())["run_id"]
+
+
+def run(quick: bool = False, slime_dir: Path | None = None) -> dict[str, Any]:
+    """Every row against slime, or `{"skipped": ...}` without a checkout."""
+    if slime_dir is None:
+        return {"skipped": "no --slime-dir"}
+    slime_dir = Path(slime_dir)
+    return {"slime_dir_commit": _commit(slime_dir), "load_average": os.getloadavg(),
+            "masks": masks(slime_dir, quick), "buffer": buffer_rows(slime_dir, quick)}
+
+
+def _commit(slime_dir: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(slime_dir), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--slime-dir", type=Path, required=True)
+    parser.add_argument("--serve-slime", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_slime:
+        _serve_slime(args.slime_dir, args.serve_slime)
+        return 0
+    print(json.dumps(run(args.quick, args.slime_dir), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Idle sessions finish as failed, so their groups never hang: every API process sweeps every live
+external run's open sessions; a session idle past `--session-timeout-s` is written as a `failed` record
+(reward 0, counted as `gateway_sessions_timed_out`). Processes racing on one session store it once
+(the record's uid is the session id)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from rollout_buffer.runs import retention
+from rollout_buffer.api.gateway.context import TASK_TYPE, Gateway
+from rollout_buffer.api.gateway.records import finish_session
+
+log = logging.getLogger(__name__)
+
+
+async def reap_once(gw: Gateway) -> int:
+    """Finish every idle session of every live external run; returns how many."""
+    reaped = 0
+    cutoff = time.time() - gw.settings.session_timeout_s
+    for run_id in await retention.running_runs(gw.store):
+        meta = await gw.store.run_meta(run_id)
+        if meta.get("task_type") != TASK_TYPE:
+            continue
+        for session_id in await gw.sessions.idle(run_id, cutoff):
+            session = await gw.sessions.get(run_id, session_id)
+            if session is None or not session.is_open:
+                await gw.sessions.close(run_id, session_id, session.status if session else "failed")
+                continue
+            await finish_session(gw, session, reward=0.0, status="failed",
+                                 extra_info={"error": f"session idle for more than {gw.settings.session_timeout_s:g}s"},
+                                 counter="gateway_sessions_timed_out")
+            reaped += 1
+    return reaped
+
+
+async def reap_forever(gw: Gateway) -> None:
+    """`reap_once` every quarter of the timeout (at most every 5 s); failures are logged and retried."""
+    period = min(5.0, max(0.05, gw.settings.session_timeout_s / 4))
+    while True:
+        await asyncio.sleep(period)
+        try:
+            reaped = await reap_once(gw)
+            if reaped:
+                log.info("gateway: %d idle session(s) finished as failed", reaped)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Redis down for a moment: the next sweep tries again
+            log.warning("gateway session sweep failed: %s", exc)

@@ -1,0 +1,68 @@
+"""A finished session as one trajectory record, written through the store's ordinary write path.
+
+`turns` are the session's turns in the order they were generated, each the engine's exact ids (plus its
+policy version); a branch the client forked shows as a turn whose prompt does not extend the turn before,
+which the adapter cuts into its own piece (`fork_policy`). `messages` are the conversation of the latest
+turn in OpenAI format, `tools` its tools. The uid is the session id, so finishing twice (a retried finish,
+or the idle reaper racing a client) stores one record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rollout_buffer.api.gateway.context import Gateway
+from rollout_buffer.store.session_turns import Node
+from rollout_buffer.store.sessions import Session
+from rollout_buffer.wire.schema import TrajectoryRecord
+from rollout_buffer.store.store import WriteOutcome
+
+log = logging.getLogger(__name__)
+
+
+def conversation(nodes: dict[int, Node], last: Node) -> list[dict[str, Any]]:
+    """The full conversation through `last`'s answer: its branch's messages, root first."""
+    chain: list[Node] = []
+    node: Node | None = last
+    while node is not None:
+        chain.append(node)
+        node = nodes.get(node.parent) if node.parent >= 0 else None
+    messages: list[dict[str, Any]] = []
+    for step in reversed(chain):
+        messages.extend(step.new_messages)
+        messages.append(step.message)
+    return messages
+
+
+def build_record(session: Session, nodes: list[Node], *, reward: float, status: str,
+                 extra_info: dict[str, Any]) -> dict[str, Any]:
+    """The record as the store packs it (turns as arrays)."""
+    by_index = {n.index: n for n in nodes}
+    last = nodes[-1] if nodes else None
+    forks = sum(1 for n in nodes if n.fork_reason)
+    info = {**extra_info, "session_id": session.session_id, "gateway_turns": len(nodes), "gateway_forks": forks}
+    if session.metadata:
+        info.setdefault("session_metadata", session.metadata)
+    record = TrajectoryRecord.model_validate({
+        "uid": session.session_id, "instance_id": session.instance_id, "epoch": session.epoch,
+        "messages": conversation(by_index, last) if last is not None else [],
+        "reward": reward, "status": status, "extra_info": info, "tools": last.tools if last is not None else None,
+        "finish_reason": last.finish_reason if last is not None else None, "run_id": session.run_id,
+        "timestamp": time.time()})
+    data = record.to_store()
+    data["turns"] = [n.turn() for n in nodes] if nodes else None
+    return data
+
+
+async def finish_session(gw: Gateway, session: Session, *, reward: float, status: str,
+                         extra_info: dict[str, Any], counter: str = "gateway_sessions_finished") -> WriteOutcome:
+    """Write the session's record (idempotent by uid), then close the session."""
+    nodes = await gw.sessions.all_nodes(session.run_id, session.session_id)
+    record = build_record(session, nodes, reward=reward, status=status, extra_info=extra_info)
+    outcome = await gw.store.write_record(session.run_id, record)
+    await gw.sessions.close(session.run_id, session.session_id, "failed" if status == "failed" else "finished")
+    if outcome.outcome != "duplicate":
+        await gw.store.incr_stat(session.run_id, counter)
+    return outcome

@@ -1,0 +1,101 @@
+"""Prompt ids for a session's turns, costing what the client added, not the whole history.
+
+A branch's first turn is the chat template's rendering of the whole request (`PromptTokens.first`). A
+later turn is the parent turn's prompt + its output ids (the engine's own, never re-tokenized) + the
+tokens of only the messages the client added. Those come from `PromptTokens.continuation_text`, given a
+short stand-in for the history before the assistant turn (one user message, and the system message if
+the client has one) instead of the history itself: a ChatML template renders each message from the
+message and its neighbours only, so the text after the assistant turn is the same, and rendering costs
+O(new messages). `check_short_history` proves that equality on a probe conversation once per tokenizer,
+and falls back to the full history when it does not hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any
+
+import numpy as np
+
+from rollout_buffer.runtime.prompt_tokens import PromptTokens
+
+log = logging.getLogger(__name__)
+
+_PROBE: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
+    {"role": "tool", "tool_call_id": "c0", "content": "5"},
+    {"role": "tool", "tool_call_id": "c1", "content": "5.0"},
+    {"role": "user", "content": "And 4 * 4?"},
+]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "expression": {"type": "string"}}}}}]
+
+
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates render them: tool call `arguments` as objects (OpenAI sends JSON text)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [
+                {**c, "function": {**c.get("function", {}),
+                                   "arguments": template_arguments(c.get("function", {}).get("arguments"))}}
+                for c in calls]}
+        out.append(message)
+    return out
+
+
+def template_arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _stand_in(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    head = [history[0]] if history and history[0].get("role") == "system" else []
+    return [*head, {"role": "user", "content": "."}]
+
+
+@functools.lru_cache(maxsize=32)
+def check_short_history(tokenizer: Any) -> bool:
+    """Whether the stand-in history gives the same continuation text as the real one for this template."""
+    try:
+        prompt = PromptTokens(tokenizer, _PROBE_TOOLS)
+        for before, new in ((_PROBE[:2], _PROBE[3:]), (_PROBE[:5], _PROBE[5:])):
+            if prompt.continuation_text(before, new, []) != prompt.continuation_text(_stand_in(before), new, []):
+                log.warning("the chat template renders new messages depending on the whole history; the gateway "
+                            "renders the whole history for each turn")
+                return False
+        return True
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render the probe: stay exact, render it all
+        log.warning("short-history rendering self-check failed (%s); rendering whole histories", exc)
+        return False
+
+
+class Renderer:
+    """Prompt ids of one run's turns (one tokenizer; tools per request)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.short = check_short_history(tokenizer)
+
+    def first(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> np.ndarray:
+        return np.asarray(PromptTokens(self.tokenizer, tools).first(for_template(messages)), dtype=np.int32)
+
+    def extend(self, prompt_ids: np.ndarray, output_ids: np.ndarray, history: list[dict[str, Any]],
+               new_messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> np.ndarray:
+        """The next prompt: `prompt_ids + output_ids + tokens(new messages and the generation prompt)`;
+        `history` is the conversation before the parent's answer."""
+        prompt = PromptTokens(self.tokenizer, tools)
+        before = _stand_in(history) if self.short else for_template(history)
+        tail = prompt.encode(prompt.continuation_text(before, for_template(new_messages), output_ids.tolist()[-1:]))
+        return np.concatenate([prompt_ids, output_ids, np.asarray(tail, dtype=np.int32)]).astype(np.int32)

@@ -1,0 +1,31 @@
+"""Anthropic route: `POST /v1/messages` (plain and streamed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout_buffer.api.gateway import wire_anthropic
+from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
+from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.responses import OrjsonResponse
+
+# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
+router = APIRouter(tags=["gateway"], include_in_schema=False)
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Any:
+    raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
+    try:
+        opened = await open_session(request)
+        body = wire_anthropic.read_request(json_object(raw))
+        answer = await answer_turn(opened, body.messages, body.tools, body.params)
+    except GatewayError as exc:
+        return error_response("anthropic", exc)
+    sid = opened.session.session_id
+    if not body.stream:
+        return OrjsonResponse(wire_anthropic.message(answer, sid, body.model))
+    return sse(wire_anthropic.events(answer, sid, body.model), request)

@@ -1,0 +1,52 @@
+"""OpenAI routes: `POST /v1/chat/completions` (plain and streamed) and `GET /v1/models`."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout_buffer.api.gateway import wire_openai
+from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
+from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.responses import OrjsonResponse
+
+# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
+router = APIRouter(tags=["gateway"], include_in_schema=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
+    try:
+        opened = await open_session(request)
+        chat = wire_openai.read_request(json_object(raw))
+        answer = await answer_turn(opened, chat.messages, chat.tools, chat.params)
+    except GatewayError as exc:
+        return error_response("openai", exc)
+    model = chat.model or opened.ctx.model
+    sid = opened.session.session_id
+    if not chat.stream:
+        return OrjsonResponse(wire_openai.completion(answer, sid, model))
+    events = [(None, c) for c in wire_openai.chunks(answer, sid, model, chat.include_usage)]
+    return sse([*events, (None, "[DONE]")], request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Any:
+    """The policy this session's run serves, in the asking SDK's shape (Anthropic's SDKs send
+    `anthropic-version`)."""
+    anthropic = "anthropic-version" in request.headers
+    try:
+        opened = await open_session(request, require_open=False)
+    except GatewayError as exc:
+        return error_response("anthropic" if anthropic else "openai", exc)
+    model, created = opened.ctx.model, int(opened.session.created_at)
+    if anthropic:
+        stamp = datetime.fromtimestamp(created, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"data": [{"type": "model", "id": model, "display_name": model, "created_at": stamp}],
+                "has_more": False, "first_id": model, "last_id": model}
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "rollout-buffer"}]}

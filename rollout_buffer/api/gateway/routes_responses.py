@@ -1,0 +1,49 @@
+"""OpenAI Responses route: `POST /v1/responses` (plain and streamed). `previous_response_id` continues
+from a stored turn of the same session (the history is the session's own, nothing is re-sent)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout_buffer.api.gateway import wire_responses
+from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_response, open_session
+from rollout_buffer.api.gateway.records import conversation
+from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.responses import OrjsonResponse
+
+# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
+router = APIRouter(tags=["gateway"], include_in_schema=False)
+
+
+async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation the request continues: the named previous response's, or the instructions."""
+    if body.previous_response_id is None:
+        return [{"role": "system", "content": body.instructions}] if body.instructions else []
+    sid = opened.session.session_id
+    index = wire_responses.turn_of(body.previous_response_id, sid)
+    nodes = await opened.gateway.sessions.all_nodes(opened.session.run_id, sid)
+    by_index = {n.index: n for n in nodes}
+    if index is None or index not in by_index:
+        raise GatewayError(400, f"previous_response_id {body.previous_response_id!r} is not a response of this "
+                                "session", "previous_response_id")
+    return conversation(by_index, by_index[index])
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Any:
+    raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
+    try:
+        opened = await open_session(request)
+        body = wire_responses.read_request(json_object(raw))
+        messages = [*await _history(opened, body), *body.items]
+        answer = await answer_turn(opened, messages, body.tools, body.params)
+    except GatewayError as exc:
+        return error_response("openai", exc)
+    sid = opened.session.session_id
+    model = body.model or opened.ctx.model
+    if not body.stream:
+        return OrjsonResponse(wire_responses.response(answer, sid, body, model))
+    return sse(wire_responses.events(answer, sid, body, model), request)

@@ -1,0 +1,124 @@
+"""Session routes: create a session of an external run, finish it into its record."""
+
+from __future__ import annotations
+
+import hmac
+import math
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout_buffer.api.bodies import json_body, parse_body_with
+from rollout_buffer.security import session_keys as keys_auth
+from rollout_buffer.api.gateway.errors import RETRY_AFTER_S, gateway_of
+from rollout_buffer.api.gateway.records import finish_session
+from rollout_buffer.store.sessions import AdmissionClosed
+from rollout_buffer.api.errors import error_response
+from rollout_buffer.wire.schema import RecordStatus
+
+router = APIRouter(tags=["gateway"])
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instance_id: str = Field(min_length=1, max_length=512)
+    epoch: int | None = Field(default=None, ge=0, le=1_000_000)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("instance_id", mode="before")
+    @classmethod
+    def _id_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class FinishSession(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    reward: float
+    status: RecordStatus = "completed"
+    extra_info: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+def base_url(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+@router.post("/runs/{run_id}/sessions")
+async def create_session(run_id: str, body: CreateSession, request: Request) -> Any:
+    """Open a session of an external run: its API key opens the model endpoints for this session only."""
+    gw = gateway_of(request)
+    config = await gw.store.run_config(run_id)
+    external = bool(config) and config.get("task_type") == "external" and not config.get("input_file")
+    ctx = await gw.context(run_id) if external else None
+    if ctx is None:
+        if not await gw.store.run_exists(run_id):
+            return error_response(404, f"unknown run_id {run_id!r}")
+        return error_response(409, f"run {run_id!r} is not an external run (task_type 'external', no input_file)")
+    status = await gw.store.run_status(run_id)
+    if status != "running":
+        return error_response(409, f"run {run_id!r} is {status}: it takes no new sessions")
+    session_id = keys_auth.new_session_id(run_id)
+    api_key, digest = keys_auth.new_key(session_id)
+    try:
+        session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
+                                           group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
+    except AdmissionClosed as exc:
+        await gw.store.incr_stat(run_id, "gateway_sessions_deferred")
+        answer = error_response(429, str(exc))
+        answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return answer
+    await gw.store.incr_stat(run_id, "gateway_sessions_created")
+    base = base_url(request)
+    return {"session_id": session_id, "api_key": api_key, "openai_base_url": f"{base}/v1",
+            "anthropic_base_url": base, "expires_at": session.created_at + gw.settings.session_timeout_s,
+            "instance_id": session.instance_id, "epoch": session.epoch, "model": ctx.model}
+
+
+def _finish_credential(request: Request, session_id: str) -> tuple[str, str] | None:
+    """Who may finish: ("token", "") for the server token (or none configured and none sent), ("key", secret)
+    for a key of this session id (its secret still to check against the session), None for anyone else."""
+    token = request.app.state.buffer.settings.resolved_auth_token()
+    given = keys_auth.key_from_headers(request.headers.get("authorization"), request.headers.get("x-api-key"))
+    if given is None:
+        return ("token", "") if token is None else None
+    if token is not None and hmac.compare_digest(given.encode(), token.encode()):
+        return "token", ""
+    parsed = keys_auth.parse_key(given)
+    return ("key", parsed[1]) if parsed is not None and parsed[0] == session_id else None
+
+
+@router.post("/sessions/{session_id}/finish", openapi_extra=json_body(FinishSession))
+async def finish(session_id: str, request: Request) -> Any:
+    """Turn the session into its record (reward, status); a group completes when `num_repeat_per_sample`
+    sessions of its instance finished. Finishing again stores nothing twice."""
+    await request.body()  # first: an oversize body is 413 whatever else is wrong
+    credential = _finish_credential(request, session_id)
+    refused = error_response(401, "finishing a session needs its api_key or the server token")
+    if credential is None:
+        return refused
+    gw = gateway_of(request)
+    run_id = keys_auth.run_of(session_id)
+    session = await gw.sessions.get(run_id, session_id) if run_id else None
+    kind, secret = credential
+    if kind == "key" and (session is None or not keys_auth.key_matches(secret, session.key_digest)):
+        return refused
+    if session is None:
+        return error_response(404, f"unknown session {session_id!r}")
+    body = await parse_body_with(request, FinishSession.model_validate_json)
+    outcome = await finish_session(gw, session, reward=body.reward, status=body.status, extra_info=body.extra_info)
+    if outcome.outcome == "dropped":
+        return error_response(409, f"session {session_id} not stored: {outcome.reason.replace('_', ' ')}",
+                              extra={"outcome": outcome.outcome, "reason": outcome.reason})
+    return {"success": True, "session_id": session_id, "uid": session_id, "outcome": outcome.outcome,
+            "group_completed": outcome.outcome == "completed", "instance_id": session.instance_id,
+            "epoch": session.epoch,
+            "message": "already finished (stored once)" if outcome.outcome == "duplicate" else "stored"}

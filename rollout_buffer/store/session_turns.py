@@ -1,0 +1,94 @@
+"""One stored turn of a gateway session: the engine's exact ids, and what the client sent and got.
+
+Packed as a small JSON header and the id and logprob arrays as raw bytes (int32, float64), so loading a
+long prompt is a copy, not a parse of thousands of numbers, and the arrays go to `/generate` and into the
+record without a Python object per token. A turn's prompt extends its parent's prompt and output, so only
+the new tail is stored (`base` tokens come from the turns of its `chain`): a session costs storage linear in
+its tokens, not quadratic; `resolve` puts the full prompts back together.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+_HEADER = struct.Struct("<III")  # header bytes, prompt tokens, output tokens
+
+
+@dataclass
+class Node:
+    """Turn `index` of a session: its parent turn (-1: a branch root), the messages the client added since
+    the parent's answer (the whole history for a root), the answer, and the engine call."""
+
+    index: int
+    parent: int
+    new_messages: list[dict[str, Any]]
+    message: dict[str, Any]
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    output_logprobs: np.ndarray
+    finish_reason: str
+    weight_version: Any = None
+    version_spans: list[list[Any]] | None = None
+    history_len: int = 0  # messages in the request (the answer is message number history_len + 1)
+    tools: list[dict[str, Any]] | None = None
+    fork_reason: str | None = None
+    created_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    chain: list[int] = field(default_factory=list)  # ancestors, root first
+    base: int = 0  # prompt tokens that are the parent's prompt + output (not stored with this turn)
+    resolved: bool = True  # False after `unpack` until `resolve` restored the full prompt
+
+    def turn(self) -> dict[str, Any]:
+        """The record's `turns[]` entry (arrays: the store packs them as they are)."""
+        turn: dict[str, Any] = {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids,
+                                "output_logprobs": self.output_logprobs, "finish_reason": self.finish_reason,
+                                "weight_version": self.weight_version}
+        if self.version_spans is not None:
+            turn["version_spans"] = self.version_spans
+        return turn
+
+    def pack(self) -> bytes:
+        header = orjson.dumps({
+            "index": self.index, "parent": self.parent, "new_messages": self.new_messages, "message": self.message,
+            "finish_reason": self.finish_reason, "weight_version": self.weight_version,
+            "version_spans": self.version_spans, "history_len": self.history_len, "tools": self.tools,
+            "fork_reason": self.fork_reason, "created_at": self.created_at, "extra": self.extra,
+            "chain": self.chain, "base": self.base})
+        assert self.resolved, "pack a turn with its full prompt"
+        prompt = np.ascontiguousarray(self.prompt_ids[self.base:], dtype="<i4").tobytes()
+        output = np.ascontiguousarray(self.output_ids, dtype="<i4").tobytes()
+        logprobs = np.ascontiguousarray(self.output_logprobs, dtype="<f8").tobytes()
+        return b"".join((_HEADER.pack(len(header), len(prompt) // 4, len(self.output_ids)), header,
+                         prompt, output, logprobs))
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> Node:
+        size, n_prompt, n_output = _HEADER.unpack_from(blob)
+        at = _HEADER.size
+        head = orjson.loads(blob[at:at + size])
+        at += size
+        prompt = np.frombuffer(blob, dtype="<i4", count=n_prompt, offset=at)
+        at += 4 * n_prompt
+        output = np.frombuffer(blob, dtype="<i4", count=n_output, offset=at)
+        at += 4 * n_output
+        logprobs = np.frombuffer(blob, dtype="<f8", count=n_output, offset=at)
+        return cls(prompt_ids=prompt, output_ids=output, output_logprobs=logprobs, resolved=head.get("base", 0) == 0,
+                   **head)
+
+
+def resolve(nodes: dict[int, Node]) -> None:
+    """Give every node in `nodes` its full prompt; `nodes` must hold each one's whole chain."""
+    def full(node: Node) -> np.ndarray:
+        if not node.resolved:
+            parent = nodes[node.parent]
+            node.prompt_ids = np.concatenate([full(parent), parent.output_ids, node.prompt_ids])
+            node.resolved = True
+        return node.prompt_ids
+
+    for node in sorted(nodes.values(), key=lambda n: len(n.chain)):
+        full(node)

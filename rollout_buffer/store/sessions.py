@@ -1,0 +1,264 @@
+"""Gateway sessions in Redis: created, turned, finished; nothing of a session lives in one process.
+
+Every key is a run key (`rollout_buffer.store.keys`: `sessions`, `session_status`, `session_open`, `session_seq`,
+`session_nodes`, `session_index`), so any API process serves any session, deleting the run deletes its
+sessions, and each pipeline here touches one cluster slot. A turn is stored before its answer is sent,
+so what a client was answered survives any process kill; its index entries make a retry of the same
+request replay it instead of generating a second turn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from rollout_buffer.store import keys
+from rollout_buffer.store.session_turns import Node, resolve
+from rollout_buffer.store.store import Store, text
+
+OPEN = "open"
+
+# KEYS: 1 meta 2 stats 3 gstarted 4 session_seq. ARGV: 1 instance_id 2 group_size 3 epoch ('' = the next
+# free place). A session that starts a new group is admitted under the run's staleness bound with the
+# runtime's rule (rollout_buffer.runtime.jobqueue): refused while started-but-unconsumed groups number
+# (max_staleness + 1) x the groups per read. Returns {admitted 1|0, epoch}; a refusal changes nothing.
+ADMIT = """
+local epoch = tonumber(ARGV[3])
+if not epoch then
+  epoch = math.floor(tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0') / tonumber(ARGV[2]))
+end
+local gid = epoch .. ':' .. ARGV[1]
+if redis.call('HEXISTS', KEYS[3], gid) == 0 then
+  local run = redis.call('HMGET', KEYS[1], 'max_staleness', 'groups_per_read', 'groups_per_read_hint',
+                         'consumed_before_version')
+  local bound = tonumber(run[1] or '')
+  if bound then
+    local per = tonumber(run[2] or '') or tonumber(run[3] or '') or 1
+    local consumed = tonumber(run[4] or '') or tonumber(redis.call('HGET', KEYS[2], 'groups_consumed') or '0')
+    local live = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0') - consumed
+    if live >= (bound + 1) * per then return {0, epoch} end
+  end
+  redis.call('HSET', KEYS[3], gid, '0')
+  redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
+end
+if not tonumber(ARGV[3]) then redis.call('HINCRBY', KEYS[4], ARGV[1], 1) end
+return {1, epoch}
+"""
+
+
+class AdmissionClosed(RuntimeError):
+    """The run's staleness bound admits no new group now; the client retries later."""
+
+
+@dataclass
+class Session:
+    """A session's fixed facts (as created) and its status now."""
+
+    session_id: str
+    run_id: str
+    instance_id: str
+    epoch: int
+    key_digest: str
+    created_at: float
+    metadata: dict[str, Any]
+    status: str
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == OPEN
+
+
+def _count_field(session_id: str) -> str:
+    return f"{session_id}|#"
+
+
+def _node_field(session_id: str, index: int) -> str:
+    return f"{session_id}|{index}"
+
+
+class NodeCache:
+    """Recent turns (full prompts included) in this process: a stored turn never changes, so the next turn of a
+    session this process served needs no read of it, nor of its chain of ancestors; bounded in tokens."""
+
+    def __init__(self, max_tokens: int = 8_000_000) -> None:
+        self.max_tokens = max_tokens
+        self._tokens = 0
+        self._items: OrderedDict[tuple[str, int], Node] = OrderedDict()
+
+    def get(self, session_id: str, index: int) -> Node | None:
+        found = self._items.get((session_id, index))
+        if found is not None:
+            self._items.move_to_end((session_id, index))
+        return found
+
+    def put(self, session_id: str, node: Node) -> None:
+        key = (session_id, node.index)
+        size = len(node.prompt_ids) + len(node.output_ids)
+        if key in self._items or size > self.max_tokens or not node.resolved:
+            return
+        self._items[key] = node
+        self._tokens += size
+        while self._tokens > self.max_tokens:
+            _, old = self._items.popitem(last=False)
+            self._tokens -= len(old.prompt_ids) + len(old.output_ids)
+
+
+class SessionStore:
+    """The sessions of every external run, on the buffer's Redis."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.redis = store.redis
+        self.turns = NodeCache()
+        self._admit = store.redis.register_script(ADMIT)
+        self._facts: OrderedDict[str, Session] = OrderedDict()  # sessions' fixed facts (status not kept fresh)
+
+    def known(self, session_id: str) -> Session | None:
+        """A session this process has read before (its fixed facts; its status may be stale)."""
+        return self._facts.get(session_id)
+
+    async def create(self, run_id: str, session_id: str, *, instance_id: str, epoch: int | None, group_size: int,
+                     key_digest: str, metadata: dict[str, Any], idle_clock: bool = True) -> Session:
+        """Store a new open session; without `epoch`, the instance's k-th session joins epoch
+        `(k - 1) // group_size`, so sessions fill groups in order. AdmissionClosed when it would start a group
+        the staleness bound does not admit now. `idle_clock=False`: never finished by the
+        idle timeout (a rollout's own session, `rollout_buffer.runtime.rollout_session`)."""
+        admitted, epoch = await self._admit(
+            keys=[keys.run_meta(run_id), keys.stats(run_id), keys.group_started(run_id), keys.session_seq(run_id)],
+            args=[instance_id, group_size, "" if epoch is None else epoch])
+        if not int(admitted):
+            raise AdmissionClosed(f"the run's staleness bound admits no new group now (instance {instance_id!r}, "
+                                  f"epoch {epoch}); retry after the trainer has read")
+        epoch = int(epoch)
+        now = time.time()
+        session = Session(session_id, run_id, instance_id, epoch, key_digest, now, metadata, OPEN)
+        fields = {"instance_id": instance_id, "epoch": epoch, "key_digest": key_digest, "created_at": now,
+                  "metadata": metadata}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(keys.sessions(run_id), session_id, orjson.dumps(fields))
+        pipe.hset(keys.session_status(run_id), session_id, OPEN)
+        if idle_clock:
+            pipe.zadd(keys.session_open(run_id), {session_id: now})
+        await pipe.execute()
+        return session
+
+    async def get(self, run_id: str, session_id: str) -> Session | None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(keys.sessions(run_id), session_id)
+        pipe.hget(keys.session_status(run_id), session_id)
+        raw, status = await pipe.execute()
+        if raw is None:
+            return None
+        fields = orjson.loads(raw)
+        session = Session(session_id, run_id, fields["instance_id"], int(fields["epoch"]), fields["key_digest"],
+                          float(fields["created_at"]), fields.get("metadata") or {}, text(status) or "")
+        self._facts[session_id] = session
+        while len(self._facts) > 100_000:
+            self._facts.popitem(last=False)
+        return session
+
+    async def lookup(self, run_id: str, session_id: str, kind: str, digests: list[bytes]) -> list[int | None]:
+        """The turns the index names for each digest (`kind` "p": a history ending with that turn's
+        answer; "r": the turn that answered that exact request)."""
+        if not digests:
+            return []
+        fields = [f"{session_id}|{kind}|{d.hex()}" for d in digests]
+        found = await self.redis.hmget(keys.session_index(run_id), fields)
+        return [None if value is None else int(value) for value in found]
+
+    async def probe(self, run_id: str, session_id: str, request: bytes,
+                    histories: list[bytes]) -> tuple[str, int | None, list[int | None], int]:
+        """(the session's status, the turn that answered this exact request, the turns whose history ends as
+        each of `histories` (longest first), the session's turn count). One round trip when the longest history
+        is a turn's (an agent going on), two otherwise."""
+        fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories[:1])]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(keys.session_index(run_id), fields)
+        pipe.hget(keys.session_nodes(run_id), _count_field(session_id))
+        pipe.hget(keys.session_status(run_id), session_id)
+        pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)  # in use: not idle while it runs
+        first, count, status, _ = await pipe.execute()
+        found = [None if value is None else int(value) for value in first]
+        if len(histories) > 1 and found[1] is None:
+            found[2:] = await self.lookup(run_id, session_id, "p", histories[1:])
+        return text(status) or "", found[0], found[1:], int(count or 0)
+
+    async def turn_count(self, run_id: str, session_id: str) -> int:
+        return int(await self.redis.hget(keys.session_nodes(run_id), _count_field(session_id)) or 0)
+
+    async def _fetch(self, run_id: str, session_id: str, indices: list[int]) -> dict[int, Node]:
+        if not indices:
+            return {}
+        blobs = await self.redis.hmget(keys.session_nodes(run_id), [_node_field(session_id, i) for i in indices])
+        return {i: Node.unpack(blob) for i, blob in zip(indices, blobs) if blob is not None}
+
+    async def nodes(self, run_id: str, session_id: str, indices: list[int]) -> list[Node | None]:
+        """The turns `indices` with their full prompts (from this process's cache, else from Redis, their
+        ancestors read in one more call where needed)."""
+        found: dict[int, Node] = {}
+        for index in indices:
+            cached = self.turns.get(session_id, index)
+            if cached is not None:
+                found[index] = cached
+        fetched = await self._fetch(run_id, session_id, [i for i in indices if i not in found])
+        for node in fetched.values():
+            parent = None if node.resolved else self.turns.get(session_id, node.parent)
+            if parent is not None:
+                node.prompt_ids = np.concatenate([parent.prompt_ids, parent.output_ids, node.prompt_ids])
+                node.resolved = True
+        found.update(fetched)
+        missing = sorted({a for n in found.values() if not n.resolved for a in n.chain} - set(found))
+        found.update(await self._fetch(run_id, session_id, missing))
+        resolve(found)
+        for node in fetched.values():
+            self.turns.put(session_id, node)
+        return [found.get(i) for i in indices]
+
+    async def all_nodes(self, run_id: str, session_id: str) -> list[Node]:
+        """Every stored turn with its full prompt, in the order they were generated."""
+        count = await self.turn_count(run_id, session_id)
+        found = await self._fetch(run_id, session_id, list(range(count)))
+        resolve(found)
+        return [found[i] for i in sorted(found)]
+
+    async def next_index(self, run_id: str, session_id: str) -> int:
+        return int(await self.redis.hincrby(keys.session_nodes(run_id), _count_field(session_id), 1)) - 1
+
+    async def put_turn(self, run_id: str, session_id: str, node: Node, *, history: bytes, request: bytes,
+                       stats: dict[str, int]) -> None:
+        """Store turn `node`, index it by the history through its answer and by its request, and add `stats`
+        to the run's counters: one round trip."""
+        self.turns.put(session_id, node)
+        index = keys.session_index(run_id)
+        pipe = self.redis.pipeline(transaction=False)
+        args = [x for name, amount in stats.items() if amount for x in (name, amount)]
+        await self.store.scripts["INCR_STATS"](keys=[keys.run_meta(run_id), keys.stats(run_id)], args=args, client=pipe)
+        pipe.hset(keys.session_nodes(run_id), _node_field(session_id, node.index), node.pack())
+        pipe.hset(index, f"{session_id}|p|{history.hex()}", node.index)
+        pipe.hset(index, f"{session_id}|r|{request.hex()}", node.index)
+        pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)
+        await pipe.execute()
+
+    async def touch(self, run_id: str, session_id: str) -> None:
+        """The session is in use (its idle clock restarts)."""
+        await self.redis.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)
+
+    async def close(self, run_id: str, session_id: str, status: str) -> None:
+        """Mark a session finished (its record is already written) and stop its idle clock."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(keys.session_status(run_id), session_id, status)
+        pipe.zrem(keys.session_open(run_id), session_id)
+        await pipe.execute()
+
+    async def idle(self, run_id: str, before: float, limit: int = 1000) -> list[str]:
+        """Open sessions whose last activity is older than `before`."""
+        found = await self.redis.zrangebyscore(keys.session_open(run_id), "-inf", before, start=0, num=limit)
+        return [text(s) or "" for s in found]
+
+    async def open_count(self, run_id: str) -> int:
+        return int(await self.redis.zcard(keys.session_open(run_id)))
