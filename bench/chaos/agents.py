@@ -3,8 +3,10 @@
 Each round starts a `task_type: "external"` run on the test engine, opens one gateway session per rollout
 (`POST /runs/{id}/sessions`, with its epoch, retried until answered), talks to it with the `openai` SDK
 (two user turns; the SDK retries lost connections and 5xx itself) and finishes it with a reward
-(`POST /sessions/{id}/finish`, retried until answered: finishing is idempotent). A leased reader reads the
-run. The checker then wants every finished session's record read exactly once and token-exact.
+(`POST /sessions/{id}/finish`, retried until answered: finishing is idempotent). A session the buffer
+closed first (idle past `--session-timeout-s` while the buffer or the engine was down: finished as failed)
+is left, as an agent whose session ended would. A leased reader reads the run. The checker then wants every
+session's record (finished or closed) read exactly once, and token-exact.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class GatewayAgents:
     repeats: int = 2
     deadline_s: float = 300.0
     finished: list[str] = field(default_factory=list)  # session ids whose finish was answered
+    closed: list[str] = field(default_factory=list)  # sessions the buffer closed first (idle timeout: failed)
     turns: int = 0
     retries: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
@@ -86,7 +89,13 @@ class GatewayAgents:
         messages: list[dict[str, Any]] = []
         for question in QUESTIONS:
             messages.append({"role": "user", "content": question.format(a=i, b=2 * i + 1)})
-            completion = agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+            try:
+                completion = agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+            except openai.NotFoundError:
+                # idle past --session-timeout-s while the buffer or the engine was down: the buffer finished
+                # it as failed (its record fills the group's slot), as it would for an agent that vanished
+                self.closed.append(session["session_id"])
+                return
             messages.append(completion.choices[0].message.model_dump(exclude_none=True, exclude={"parsed"}))
             self.turns += 1
         self._post(client, f"/sessions/{session['session_id']}/finish", {"reward": float(i % 2)}, "finish",
@@ -97,7 +106,7 @@ class GatewayAgents:
         """Once the agents are done, let the reader take what is left, then stop it."""
         assert self.reader is not None
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not (self.done.is_set() and set(self.finished) <= set(
+        while time.monotonic() < deadline and not (self.done.is_set() and set(self.finished + self.closed) <= set(
                 self.reader.uids())):
             time.sleep(0.1)
         self.reader.stop.set()

@@ -47,7 +47,7 @@ class ChaosConfig:
     repeats: int = 2
     batch: int = 2  # groups per trainer step
     external_records: int = 120
-    gateway: bool = False  # agents through gateway sessions (needs rollout_buffer.gateway)
+    gateway: bool = True  # agents (OpenAI SDK) through gateway sessions of an external run
     gateway_instances: int = 3
     finish_s: float = 180.0  # after the faults stop, how long the last round may take to finish
     min_gap_s: float = 0.3  # seeded gaps between faults

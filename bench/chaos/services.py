@@ -27,6 +27,7 @@ from tests.support.redis_cluster import LocalRedisCluster
 TASKS = str(Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tasks")
 ROLLOUT_TIMEOUT_S = 8.0  # a hung engine request ends the rollout (a failed record) after this long
 TASK_LEASE_S = 6.0  # a killed worker's jobs are taken over by another after this long (claims renewed every 2 s)
+SESSION_TIMEOUT_S = 20.0  # a gateway session whose agent lost it (its answer cut by a kill) is closed as failed
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Services:
 
     def server_flags(self) -> list[str]:
         flags = ["--task-dir", TASKS, "--worker-processes", "1", "--rollout-timeout-s", str(ROLLOUT_TIMEOUT_S),
-                 "--task-lease-s", str(TASK_LEASE_S)]
+                 "--task-lease-s", str(TASK_LEASE_S), "--session-timeout-s", str(SESSION_TIMEOUT_S)]
         if self.cluster is not None:
             flags += ["--redis-url", self.cluster.url, "--redis-cluster"]
         if self.wait_replicas:

@@ -6,7 +6,9 @@ whole history: every fault kind landed, and every violation count is 0. What the
 fixed: seed 1, a job whose record was written never finished (the rollout's per-epoch counter named a
 variable that no longer existed), so a run stalled once a worker was killed; seed 2 with `--retain-runs 1`,
 a group stalled for the default 600 s job claim after its worker was SIGKILLed (the harness runs the
-server with `--task-lease-s 6`, as an operator with preemptible workers should).
+server with `--task-lease-s 6`, as an operator with preemptible workers should); seed 3 on the Redis
+Cluster, every gateway turn failed (the session store queued a Lua script on a cluster pipeline, which
+redis-py refuses), so no agent finished a session.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def _assert_clean(report: Report, kinds: set[str]) -> None:
     assert {kind: report.violations.get(kind, 0) for kind in VIOLATIONS} == dict.fromkeys(VIOLATIONS, 0), \
         report.examples
     assert report.counts["groups trained (checkpointed)"] > 0 and report.counts["external records read"] > 0
+    assert report.counts["gateway records read"] > 0, "agents trained through gateway sessions too"
     assert report.counts["trainer lives"] > report.counts["rounds"], "the trainer was killed and resumed"
 
 
