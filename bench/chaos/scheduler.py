@@ -3,7 +3,8 @@
 Faults come in cycles: each cycle is a seeded permutation of every kind, so a short run still injects
 every kind, and the gaps between faults are seeded draws in [`min_gap_s`, `max_gap_s`]. Each kind is an
 injector (a callable the harness supplies) that returns whether the fault landed (a worker being
-restarted has no process to kill yet: that draw is skipped and counted as skipped, not as injected).
+restarted has no process to kill yet: that draw is counted as skipped, not as injected, and the kind is
+tried again at the next slot, the planned kind waiting its turn).
 The same seed gives the same sequence of kinds and gaps; what they hit depends on timing.
 """
 
@@ -44,7 +45,11 @@ class FaultScheduler:
 
     def run(self) -> None:
         started = time.monotonic()
-        for kind, gap in self.plan():
+        retry: list[str] = []  # kinds that found nothing to hit: tried again before the plan goes on
+        for planned, gap in self.plan():
+            kind = retry.pop(0) if retry else planned
+            if kind != planned:
+                retry.append(planned)
             if self.stop.wait(gap):
                 return
             try:
@@ -53,5 +58,7 @@ class FaultScheduler:
                 self.errors.append(f"{kind}: {traceback.format_exc(limit=3)}")
                 landed = False
             (self.injected if landed else self.skipped)[kind] += 1
+            if not landed and kind not in retry:
+                retry.append(kind)
             self.history.append((time.monotonic() - started, kind, landed))
 
