@@ -25,6 +25,9 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-cluster", action="store_true", default=None,
                         help="--redis-url names a node of a Redis Cluster: use the cluster client "
                              "(env ROLLOUT_BUFFER_REDIS_CLUSTER=1)")
+    parser.add_argument("--redis-wait-replicas", type=int,
+                        help="answer a write, leased read or ack only once N replicas have it (Redis WAIT): a "
+                             "failover then loses none (default 0: do not wait)")
     parser.add_argument("--data-dir", type=Path, help="embedded Redis data dir (default ./.rollout-buffer)")
     parser.add_argument("--task-dir", type=Path, action="append",
                         help="extra folder of *_generator.py task modules (repeatable)")

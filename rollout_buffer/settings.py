@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # `redis_url` names any node of a Redis Cluster: the cluster client is used (see rollout_buffer.store.redis_client).
     redis_cluster: bool = False
+    # Every acknowledged write, leased read and ack waits until this many replicas have it (Redis `WAIT`), so a
+    # failover that promotes a replica loses none of them (rollout_buffer.store.replication); 0 = do not wait.
+    redis_wait_replicas: int = Field(default=0, ge=0, le=16)
     task_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # Rollout worker processes: `serve --worker-processes N` runs them beside the API, `rollout-buffer worker
     # --processes N` on any host (default: one per core, at most 8). `serve --worker-processes 0` runs the
@@ -85,6 +88,13 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [p for p in value.split(os.pathsep) if p]
         return value
+
+    @model_validator(mode="after")
+    def _replicas_need_a_redis(self) -> "Settings":
+        if self.redis_wait_replicas and not self.redis_url:
+            raise ValueError("--redis-wait-replicas needs --redis-url naming a Redis with replicas; the embedded "
+                             "Redis has none")
+        return self
 
     @model_validator(mode="after")
     def _cluster_needs_a_node_url(self) -> "Settings":

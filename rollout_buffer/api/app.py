@@ -74,7 +74,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         for path, error in registry.errors.items():
             log.error("task module problem: %s: %s", path, error)
         if embedded is None:  # an external Redis: refuse one that is not in the mode asked for
-            store = await Store.open(url, cluster=settings.redis_cluster)
+            store = await Store.open(url, cluster=settings.redis_cluster,
+                                     wait_replicas=settings.redis_wait_replicas)
         else:
             store = Store.from_url(url)
         metrics = CollectorRegistry()

@@ -99,6 +99,8 @@ async def read_ready(store: Store, run_id: str, max_samples: int | None = None, 
         "" if policy_version is None else policy_version, asked_groups])
     kind, raw_info, *groups = reply
     batch = ReadBatch(kind=text(kind) or "empty", batch_id=batch_id)
+    if batch.kind != "empty" and lease_s > 0:
+        await store.replicated(run_id)  # a lease a failover lost would hand its groups over again
     if batch.kind == "acked" or not raw_info:
         return batch
     info = orjson.loads(raw_info)
@@ -150,6 +152,7 @@ async def ack_batch(store: Store, run_id: str, batch_id: str) -> AckOutcome:
         keys.skip(run_id), keys.closed(run_id), keys.expired_leases(run_id), keys.group_lease(run_id),
         keys.ready(run_id),
     ], [batch_id, time.time()])
+    await store.replicated(run_id)  # an ack a failover lost would give its groups back when the lease ends
     if int(added):
         await store.announce_run(run_id)
     return AckOutcome(batch_id, text(outcome) or "unknown", int(groups), int(added))

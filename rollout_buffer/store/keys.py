@@ -45,6 +45,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:lines                hash   line index -> instance_id, in file order (runs that extend the stream)
     rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
     rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
+    rb:{R}:replica_barrier      string written before WAIT (--redis-wait-replicas); expires after a minute
     rb:{R}:sessions             hash   session id -> gateway session (JSON: instance, epoch, key digest, metadata)
     rb:{R}:session_status       hash   session id -> open | finished | failed
     rb:{R}:session_open         zset   session id -> last activity (unix time) of open sessions (idle timeout)
@@ -180,6 +181,10 @@ def run_keys(run_id: str) -> list[str]:
         stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
         group_version, group_generation, group_started, lines, read_log, timeline, expired_leases, group_lease,
         sessions, session_status, session_open, session_seq, session_nodes, session_index)]
+
+
+def replica_barrier(run_id: str) -> str:
+    return f"{_tag(run_id)}:replica_barrier"
 
 
 def remote(rollout_id: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from redis.exceptions import NoScriptError
 
 from rollout_buffer.store import keys
 from rollout_buffer.store.session_turns import Node, resolve
@@ -237,12 +238,19 @@ class SessionStore:
         index = keys.session_index(run_id)
         pipe = self.redis.pipeline(transaction=False)
         args = [x for name, amount in stats.items() if amount for x in (name, amount)]
-        await self.store.scripts["INCR_STATS"](keys=[keys.run_meta(run_id), keys.stats(run_id)], args=args, client=pipe)
+        script, script_keys = self.store.scripts["INCR_STATS"], [keys.run_meta(run_id), keys.stats(run_id)]
+        # EVALSHA queued as a command: redis-py refuses a Script called on a cluster pipeline
+        pipe.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
         pipe.hset(keys.session_nodes(run_id), _node_field(session_id, node.index), node.pack())
         pipe.hset(index, f"{session_id}|p|{history.hex()}", node.index)
         pipe.hset(index, f"{session_id}|r|{request.hex()}", node.index)
         pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)
-        await pipe.execute()
+        replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], NoScriptError):  # the server lost its scripts (restarted): load and count
+            replies[0] = await script(keys=script_keys, args=args)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
 
     async def touch(self, run_id: str, session_id: str) -> None:
         """The session is in use (its idle clock restarts)."""

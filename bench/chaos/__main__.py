@@ -1,0 +1,41 @@
+"""`python -m bench.chaos [--minutes M] [--seed S] [--cluster] [--redis-wait-replicas N] [--retain-runs N]`:
+faults of every kind at random, at once, while a real trainer works; one table at the end, exit 1 on any
+violation (replay it with the printed seed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.chaos.failover import run_failover
+from bench.chaos.harness import ChaosConfig, run_chaos
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__)
+    parser.add_argument("--minutes", type=float, default=2.0, help="how long faults are injected (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="drives the fault schedule (default 0)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="run on a Redis Cluster of 3 primaries + 3 replicas (faults: primary kills)")
+    parser.add_argument("--redis-wait-replicas", type=int, default=None,
+                        help="the server's --redis-wait-replicas (default with --cluster: 1)")
+    parser.add_argument("--retain-runs", type=int, default=None, help="the server's --retain-runs")
+    parser.add_argument("--failover-window", action="store_true",
+                        help="also measure the acknowledged writes a primary kill loses without "
+                             "--redis-wait-replicas (and with 1)")
+    args = parser.parse_args(argv)
+    wait = args.redis_wait_replicas if args.redis_wait_replicas is not None else (1 if args.cluster else 0)
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        report = run_chaos(ChaosConfig(base=Path(tmp) / "run", seconds=args.minutes * 60, seed=args.seed,
+                                       cluster=args.cluster, wait_replicas=wait, retain_runs=args.retain_runs))
+        print(report.table(), flush=True)
+        if args.failover_window:
+            for replicas in (0, 1):
+                print(run_failover(Path(tmp) / f"failover-{replicas}", wait_replicas=replicas).line(), flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

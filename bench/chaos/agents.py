@@ -1,0 +1,112 @@
+"""Agents through the gateway: an OpenAI SDK loop per session of an external run, while faults land.
+
+Each round starts a `task_type: "external"` run on the test engine, opens one gateway session per rollout
+(`POST /runs/{id}/sessions`, with its epoch, retried until answered), talks to it with the `openai` SDK
+(two user turns; the SDK retries lost connections and 5xx itself) and finishes it with a reward
+(`POST /sessions/{id}/finish`, retried until answered: finishing is idempotent). A session the buffer
+closed first (idle past `--session-timeout-s` while the buffer or the engine was down: finished as failed)
+is left, as an agent whose session ended would. A leased reader reads the run. The checker then wants every
+session's record (finished or closed) read exactly once, and token-exact.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+from tests.support.faults import LeasedReader, start_daemon
+
+QUESTIONS = ("What is {a} + {b}?", "And what is that times 2?")
+
+
+@dataclass
+class GatewayAgents:
+    url: str
+    engine_url: str
+    tokenizer_path: str
+    run_id: str
+    instances: int = 3
+    repeats: int = 2
+    deadline_s: float = 300.0
+    finished: list[str] = field(default_factory=list)  # session ids whose finish was answered
+    closed: list[str] = field(default_factory=list)  # sessions the buffer closed first (idle timeout: failed)
+    turns: int = 0
+    retries: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+    reader: LeasedReader | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def _post(self, client: httpx.Client, path: str, body: dict[str, Any], what: str,
+              headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """POST until the buffer answers 200 (it may be down, restarting, or its Redis failing over)."""
+        deadline = time.monotonic() + self.deadline_s
+        while time.monotonic() < deadline:
+            try:
+                answer = client.post(path, json=body, headers=headers)
+                if answer.status_code == 200:
+                    return answer.json()
+                if answer.status_code < 500 and answer.status_code != 429:
+                    raise RuntimeError(f"{what}: {answer.status_code} {answer.text[:300]}")
+            except httpx.HTTPError:
+                pass
+            self.retries[what] += 1
+            time.sleep(0.2)
+        raise TimeoutError(f"{what}: no answer within {self.deadline_s} s")
+
+    def start(self) -> "GatewayAgents":
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            self._post(client, "/start_rollout", {
+                "task_type": "external", "remote_engine_url": self.engine_url, "tokenizer_path": self.tokenizer_path,
+                "num_repeat_per_sample": self.repeats, "run_id": self.run_id,
+                "sampling_params": {"max_tokens": 48, "temperature": 1.0}}, "start")
+        self.reader = LeasedReader(self.url, self.run_id, lease_s=60.0, deadline_s=self.deadline_s)
+        start_daemon(self.reader.run)
+        start_daemon(self.run)
+        return self
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(base_url=self.url, timeout=30) as client:
+                for i in range(self.instances):
+                    for _ in range(self.repeats):
+                        self._session(client, f"g{i}", i)
+        except Exception as exc:  # reported by the checker: an agent that gave up
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            self.done.set()
+
+    def _session(self, client: httpx.Client, instance_id: str, i: int) -> None:
+        session = self._post(client, f"/runs/{self.run_id}/sessions", {"instance_id": instance_id, "epoch": 0},
+                             "open session")
+        agent = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=30,
+                              timeout=30.0)
+        messages: list[dict[str, Any]] = []
+        for question in QUESTIONS:
+            messages.append({"role": "user", "content": question.format(a=i, b=2 * i + 1)})
+            try:
+                completion = agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+            except openai.NotFoundError:
+                # idle past --session-timeout-s while the buffer or the engine was down: the buffer finished
+                # it as failed (its record fills the group's slot), as it would for an agent that vanished
+                self.closed.append(session["session_id"])
+                return
+            messages.append(completion.choices[0].message.model_dump(exclude_none=True, exclude={"parsed"}))
+            self.turns += 1
+        self._post(client, f"/sessions/{session['session_id']}/finish", {"reward": float(i % 2)}, "finish",
+                   headers={"Authorization": f"Bearer {session['api_key']}"})
+        self.finished.append(session["session_id"])
+
+    def stop_reading(self, timeout_s: float) -> None:
+        """Once the agents are done, let the reader take what is left, then stop it."""
+        assert self.reader is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not (self.done.is_set() and set(self.finished + self.closed) <= set(
+                self.reader.uids())):
+            time.sleep(0.1)
+        self.reader.stop.set()
