@@ -11,6 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.support.backends import BACKENDS
 from tests.support.helpers import ServerProcess, ServerSpec, make_record, start_run, write_jsonl
 from tests.support.process_tools import wait_for
@@ -53,6 +55,13 @@ def read(client: httpx.Client, run_id: str, **body: object) -> dict:
 
 def detail(client: httpx.Client, run_id: str) -> dict:
     return client.get(f"/runs/{run_id}").json()
+
+
+def exported(client: httpx.Client, run_id: str, name: str) -> float:
+    """One run's counter as `GET /metrics` exports it (the same numbers as `/runs/{id}`)."""
+    text = client.get("/metrics").text
+    return next(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == f"rollout_buffer_{name}_total" and s.labels.get("run_id") == run_id)
 
 
 def test_a_leased_batch_stays_until_acked_and_a_retry_gets_the_same_batch(client: httpx.Client,
@@ -128,6 +137,7 @@ def test_a_late_ack_is_accepted_when_nobody_read_the_groups_since(client: httpx.
     after = detail(client, run_id)
     assert (after["groups"]["ready"], after["groups"]["consumed"]) == (1, 2)
     assert after["leases"]["late_acks_accepted"] == 1 and after["leases"]["late_acks"] == 0
+    assert (exported(client, run_id, "late_acks_accepted"), exported(client, run_id, "late_acks")) == (1, 0)
     rest = read(client, run_id, lease_s=60)["data"]["meta_info"]
     assert rest["finished_group_keys"] == ["0:i2"], "the late-acked groups are not handed over again"
     again = client.post("/ack", json={"run_id": run_id, "batch_id": slow["batch_id"]}).json()
@@ -172,6 +182,7 @@ def test_a_renewed_lease_keeps_its_groups(client: httpx.Client, input_file: Path
     assert unknown["data"]["results"][0]["outcome"] == "unknown"
     leases = detail(client, run_id)["leases"]
     assert leases["lease_expired"] == 0 and leases["lease_renewals"] >= 5
+    assert exported(client, run_id, "lease_renewals") == leases["lease_renewals"]
 
 
 def test_an_expired_lease_nobody_took_can_be_renewed(client: httpx.Client, input_file: Path) -> None:
@@ -184,6 +195,7 @@ def test_an_expired_lease_nobody_took_can_be_renewed(client: httpx.Client, input
     assert detail(client, run_id)["groups"]["leased"] == 1 and detail(client, run_id)["groups"]["ready"] == 0
     assert not read(client, run_id, lease_s=60)["success"], "leased again: no other read gets it"
     assert detail(client, run_id)["leases"]["leases_reclaimed"] == 1
+    assert exported(client, run_id, "leases_reclaimed") == 1
 
 
 def test_a_read_without_lease_keeps_slime_semantics(client: httpx.Client, input_file: Path) -> None:
