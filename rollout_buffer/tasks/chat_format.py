@@ -54,26 +54,39 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return head.strip(), prefix + tail
 
 
-def _parse_call(body: str) -> tuple[str, str] | None:
-    """Return (name, arguments JSON) for a well-formed tool call body, else None."""
+def parse_call_json(body: str) -> tuple[str, dict[str, Any], str | None] | None:
+    """The one rule for a JSON tool call body, shared by the task runtime and the agent gateway.
+
+    Returns (name, arguments, arguments as the model wrote them when it wrote a JSON string) or None when
+    the body is malformed: not JSON, no non-empty `name`, or `arguments` (also `parameters`) that are not
+    an object, given as an object or as a string holding one (OpenAI's tool calls carry string arguments).
+    """
     try:
         obj = json.loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
+    raw = obj.get("arguments", obj.get("parameters", {}))
+    written = raw if isinstance(raw, str) else None
+    args = raw
+    if written is not None:
         try:
-            json.loads(args)
+            args = json.loads(written)
         except ValueError:
             return None
-        return obj["name"], args
     if args is None:
         args = {}
-    if not isinstance(args, dict):
+    return (obj["name"], args, written) if isinstance(args, dict) else None
+
+
+def _parse_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) for a well-formed tool call body, the model's own string kept as written."""
+    parsed = parse_call_json(body)
+    if parsed is None:
         return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    name, args, written = parsed
+    return name, written if written is not None else json.dumps(args, ensure_ascii=False)
 
 
 def extract_tool_calls(text: str, *, id_prefix: str = "call") -> tuple[str, list[dict[str, Any]]]:

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from rollout_buffer.api.gateway.parsers import OutputParser
+from rollout_buffer.tasks.chat_format import extract_tool_calls
 from rollout_buffer.testing.engine import run_engine_in_thread
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from tests.support.gateway import CALCULATOR, finish, new_session, read_group, start_external
@@ -47,6 +48,37 @@ def test_each_parser_reads_its_models_markup(name: str) -> None:
     assert json.loads(call["function"]["arguments"]) == ARGS
     broken = OutputParser(tool_call_parser=name).parse(BROKEN[name], id_prefix="call_0")
     assert broken.tool_calls == [] and broken.malformed == 1 and broken.content.startswith("Let me check.")
+
+
+CALL_BODIES = {  # body -> the arguments both readers must find, or None when the call is malformed
+    '{"name": "f", "arguments": {"a": 1}}': {"a": 1},
+    '{"name": "f", "arguments": "{\\"a\\": 1}"}': {"a": 1},  # OpenAI style: arguments as a JSON string
+    '{"name": "f", "parameters": {"a": [1, 2]}}': {"a": [1, 2]},
+    '{"name": "f"}': {},
+    '{"name": "f", "arguments": null}': {},
+    '{"name": "f", "arguments": "[1, 2]"}': None,  # a string holding JSON that is not an object
+    '{"name": "f", "arguments": "{bad"}': None,
+    '{"name": "f", "arguments": [1]}': None,
+    '{"name": "", "arguments": {}}': None,
+    '{"arguments": {}}': None,
+}
+
+
+@pytest.mark.parametrize("body", sorted(CALL_BODIES))
+def test_the_gateway_and_the_task_runtime_read_a_call_body_alike(body: str) -> None:
+    """One rule for both readers of `<tool_call>` JSON: a call one keeps, the other keeps with the same
+    arguments; a call one returns as text, so does the other."""
+    text = f"Go.\n<tool_call>\n{body}\n</tool_call>"
+    gateway = OutputParser(tool_call_parser="qwen25").parse(text, id_prefix="c")
+    _, runtime = extract_tool_calls(text)
+    expected = CALL_BODIES[body]
+    if expected is None:
+        assert gateway.tool_calls == [] and runtime == [] and gateway.malformed == 1
+        return
+    [mine], [theirs] = gateway.tool_calls, runtime
+    assert json.loads(mine["function"]["arguments"]) == json.loads(theirs["function"]["arguments"]) == expected
+    if '"arguments": "' in body:  # the model's own string is kept as written by the task runtime
+        assert theirs["function"]["arguments"] == json.loads(body)["arguments"]
 
 
 def test_think_blocks_become_reasoning() -> None:

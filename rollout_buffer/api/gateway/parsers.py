@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.tasks.chat_format import split_reasoning, strip_end_markers
+from rollout_buffer.tasks.chat_format import parse_call_json, split_reasoning, strip_end_markers
 
 
 @dataclass
@@ -44,21 +44,8 @@ ToolParser = Callable[[str], tuple[str, list[Call], int]]
 
 
 def _json_call(body: str) -> Call | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if args is None:
-        args = {}
-    return (obj["name"], args) if isinstance(args, dict) else None
+    parsed = parse_call_json(body)
+    return None if parsed is None else (parsed[0], parsed[1])
 
 
 def _blocks(text: str, pattern: re.Pattern[str], parse: Callable[[re.Match[str]], Call | None],
