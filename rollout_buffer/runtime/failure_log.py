@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.metrics.failures import record_example
+from rollout_buffer.security.redaction import redact
 from rollout_buffer.store.redis_client import RedisClient
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class FailureLog:
         """Account for one `failed` record: keep the first example of its type, log as described above."""
         info = record.get("extra_info") or {}
         error_type = str(info.get("error_type") or "unknown")
-        message = str(info.get("error") or "")
+        message = redact(str(info.get("error") or ""))
         if await record_example(client, self.run_id, error_type, message, str(record.get("uid", ""))):
             self.logger.warning("run %s: rollouts fail with a new error type %s (first: %s): %s "
                                 "(counts per type: GET /runs/%s)", self.run_id, error_type, record.get("uid"),

@@ -1,7 +1,9 @@
 """Turning what a native `rollout()` returned (or how it failed) into a trajectory record.
 
 Success and failure records have the same shape, so a group with failed members still completes and the
-trainer sees the failure (status `failed`, reward 0.0, `extra_info.error` / `error_type`).
+trainer sees the failure (status `failed`, reward 0.0, `extra_info.error` / `error_type`). An error's text
+is redacted as log lines are (`security.redaction`): it is stored in Redis, shown by `GET /runs/{id}` and
+handed to the trainer, and an HTTP client's error often quotes the URL it called, capability key included.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rollout_buffer.security.redaction import redact
 from rollout_buffer.wire.schema import TrajectoryRecord
 
 # Fields the runtime owns; a task's value for them is ignored.
@@ -41,6 +44,8 @@ def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repea
         turns=turns or None, duration_s=round(duration_s, 4), generation=generation, policy_version=policy_version,
     )
     record.setdefault("extra_info", {})
+    if isinstance(record["extra_info"], dict) and isinstance(record["extra_info"].get("error"), str):
+        record["extra_info"] = {**record["extra_info"], "error": redact(record["extra_info"]["error"])}
     record.setdefault("session_id", uid)
     if non_generation_time is not None:
         record.setdefault("non_generation_time", round(non_generation_time, 4))
@@ -61,7 +66,7 @@ def failure_record(error: BaseException | str, *, uid: str, instance_id: str, ep
                    duration_s: float, error_type: str | None = None, generation: int = 0,
                    policy_version: int | None = None) -> dict[str, Any]:
     """A `failed` record carrying the error; no turns, so nothing of it can be trained on by accident."""
-    text = error if isinstance(error, str) else (str(error) or repr(error))
+    text = redact(error if isinstance(error, str) else (str(error) or repr(error)))
     kind = error_type or (type(error).__name__ if not isinstance(error, str) else "RolloutError")
     record = {
         "uid": uid, "instance_id": instance_id, "epoch": epoch, "repeat": repeat, "attempt": attempt,

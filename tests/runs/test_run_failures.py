@@ -77,3 +77,26 @@ def test_a_run_of_failing_rollouts_shows_why(runtime_server: ServerProcess, fail
     log = [line for line in runtime_server.log_path.read_text().splitlines() if run_id in line]
     assert sum("new error type EngineError" in line for line in log) == 1, log
     assert len(log) <= 2, f"one line per new type (plus at most a periodic count), not one per rollout: {log}"
+
+
+LEAKY = "POST http://buffer:8000/cap/k3y-s3cret/buffer/write?token=t0ken-s3cret failed: 500"
+
+
+async def test_error_texts_are_redacted_before_they_are_stored(redis_store: Store) -> None:
+    """A failure's text reaches Redis, `GET /runs/{id}` and the trainer; an HTTP error quoting the URL it
+    called must not carry the capability key or the token there (logs are redacted the same way)."""
+    from rollout_buffer.runtime.records import failure_record, success_record
+
+    common: dict[str, Any] = {"uid": "r:0:0:0", "instance_id": "q0", "epoch": 0, "repeat": 0, "attempt": 0,
+                              "tools": None, "duration_s": 0.1}
+    built = failure_record(RuntimeError(LEAKY), messages=[], **common)
+    returned = success_record({"messages": [], "reward": 0.0, "status": "failed",
+                               "extra_info": {"error": LEAKY, "error_type": "AgentError", "kept": 1}},
+                              turns=[], last_finish=None, **common)
+    for record in (built, returned):
+        text = record["extra_info"]["error"]
+        assert "s3cret" not in text and text.count("<redacted>") == 2 and "/buffer/write" in text, text
+    assert returned["extra_info"]["kept"] == 1, "the task's other extra_info fields stay"
+    await FailureLog("unit-redacted").note(redis_store.redis, failed(0, "HTTPError", LEAKY))
+    summary = await failure_summary(redis_store.redis, "unit-redacted", {"rollout_errors:HTTPError": 1})
+    assert "s3cret" not in summary["by_type"]["HTTPError"]["example"]
