@@ -15,7 +15,7 @@ import httpx
 
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.support.browser import OfflineBrowser
-from tests.support.helpers import REPO, ServerProcess
+from tests.support.helpers import REPO, ServerProcess, make_record
 from tests.support.process_tools import wait_for
 from tests.support.runtime_helpers import arithmetic_rows, drain, start_native, wait_status, write_rows
 
@@ -95,7 +95,8 @@ def test_dashboard_shows_a_run_in_an_offline_browser(tmp_path: Path, offline_bro
 
 def test_throughput_without_two_points_shows_the_empty_state(tmp_path: Path, offline_browser: OfflineBrowser) -> None:
     """A run with one throughput point (the first sample, then an hour to the next) draws no chart, whose
-    lone point would stretch the time axis over years, but the panel's empty note, as the staleness panel."""
+    lone point would stretch the time axis over years, but the panel's empty note, as the staleness panel.
+    The reward chart after one read is a real datum: it shows one marker on a time axis of minutes."""
     rows = [{"instance_id": f"p{i}", "prompt": "q"} for i in range(2)]
     with ServerProcess(tmp_path / "data", "--task-dir", str(REPO / "tests" / "fixtures" / "tasks"),
                        env={"ROLLOUT_BUFFER_TIMELINE_INTERVAL_S": "3600"}) as server, \
@@ -116,4 +117,16 @@ def test_throughput_without_two_points_shows_the_empty_state(tmp_path: Path, off
         assert text(visit, '[data-empty="throughput"]') == "Waiting for the first samples of this run."
         assert page.is_hidden('[data-chart="staleness"]') and page.is_visible('[data-empty="staleness"]'), \
             "the same empty state as the staleness panel"
+
+        for reward in (0.25, 0.75):
+            written = client.post("/buffer/write", json=make_record("p0", reward=reward))
+            assert written.json()["success"], written.text
+        assert client.post("/get_rollout_data", json={}).json()["success"]
+        wait_for(lambda: len(client.get("/api/dashboard").json()["run"]["reward"]["per_read"]["t"]) == 1, 15,
+                 "the run's one reward point")
+        page.wait_for_function('document.querySelector(\'[data-chart="reward"]\').dataset.points === "1"',
+                               timeout=15_000)
+        span = float(page.get_attribute('[data-chart="reward"]', "data-x-span") or "inf")
+        assert 0 < span <= 600, f"the time axis around one read spans {span} s"
+        assert page.evaluate(COUNT_COLOURED, ['[data-chart="reward"]', BLUE]) > 20, "the lone read has a marker"
         assert visit.page_errors == [] and visit.console_errors == [] and visit.outside_requests() == []

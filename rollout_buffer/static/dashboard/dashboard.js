@@ -68,21 +68,32 @@
     }
     if (chart && chart.shape === shape) {
       chart.plot.setData(data);
-      return;
+    } else {
+      if (chart) chart.plot.destroy();
+      box.replaceChildren();
+      charts[name] = { shape, plot: new uPlot(build(chartWidth(box)), data, box) };
     }
-    if (chart) chart.plot.destroy();
-    box.replaceChildren();
-    charts[name] = { shape, plot: new uPlot(build(chartWidth(box)), data, box) };
   }
+
+  // uPlot widens the time axis of a lone point to years (a day in its milliseconds, read as seconds): a lone
+  // point gets two minutes either side instead, and a marker, as a line needs two points.
+  function timeRange(u, min, max) {
+    const xs = u.data[0];
+    return xs.length === 1 ? [xs[0] - 120, xs[0] + 120] : [min, max];
+  }
+  function lonePoint(u) { return u.data[0].length === 1; }
+  // The drawn time span, on the chart's box (`data-x-span`), for whoever checks the axis.
+  function noteSpan(u, key) { if (key === "x") u.root.parentElement.dataset.xSpan = String(u.scales.x.max - u.scales.x.min); }
 
   function lineChart(name, series, columns, axes) {
     const shape = series.map((s) => s.label).join("|");
     const build = (width) => ({
       width, height: 220, cursor: { drag: { x: false, y: false } },
-      scales: { x: { time: true } },
-      series: [{}, ...series.map((s) => ({ width: 2, points: { show: false }, ...s }))],
+      scales: { x: { time: true, range: timeRange } },
+      series: [{}, ...series.map((s) => ({ width: 2, points: { show: lonePoint, size: 9 }, ...s }))],
       axes: axes || [{}, {}],
       bands: series.bands,
+      hooks: { setScale: [noteSpan] },
     });
     draw(name, shape, build, columns);
   }
