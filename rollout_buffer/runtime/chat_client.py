@@ -3,7 +3,8 @@
 It records messages only (no `turns`): the trainer then re-tokenizes the messages, which is marked as a
 fallback on its side. Each call's meta fields (`calls`: the engine's `weight_version`, `prompt_tokens`,
 `cached_tokens`, `completion_tokens`, `spec_*`, from the answer's `usage`, `usage.prompt_tokens_details`
-and `metadata`) are kept as `/generate`'s turns keep them, so the record's sample gets the same fields. An aborted answer is continued with SGLang's `continue_final_message`. Each call is
+and `metadata`) are kept as `/generate`'s turns keep them, so the record's sample gets the same fields.
+An aborted answer is continued with SGLang's `continue_final_message`. Each call is
 stamped with a policy version like `/generate`'s pieces (SGLang's `metadata.weight_version`, else the
 run's policy version), which gives the record its `policy_version`.
 """

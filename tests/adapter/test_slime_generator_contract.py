@@ -55,8 +55,9 @@ def run_rollout(data):
                 messages = item["prompt"] + [{"role": "assistant", "content": choice.message.content}]
                 extra = {"label": item["label"], "timestamp": str(time.time()), "finish_reason": choice.finish_reason,
                          "round_number": 1, "rollout_index": 1, "seen": seen, **params}
-                record = {"uid": str(uuid.uuid4()), "messages": messages, "reward": 1.0 if item["label"] in
-                          (choice.message.content or "") else 0.0, "instance_id": item["instance_id"], "extra_info": extra}
+                reward = 1.0 if item["label"] in (choice.message.content or "") else 0.0
+                record = {"uid": str(uuid.uuid4()), "messages": messages, "reward": reward,
+                          "instance_id": item["instance_id"], "extra_info": extra}
                 httpx.post(data["remote_buffer_url"].rstrip("/") + "/buffer/write", json=record, timeout=30)
 '''
 
