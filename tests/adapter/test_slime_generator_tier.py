@@ -41,7 +41,7 @@ def slime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     if missing:
         slime_dir_or_skip()
         pytest.skip(f"slime's reward functions, imported by its generator example, need {missing} (slime's own "
-                    "requirements; pip install sympy pylatexenc)")
+                    "requirements; pip install '.[slime-tier]')")
     reset_state()
     yield from real_slime(monkeypatch)
     reset_state()
