@@ -20,7 +20,7 @@ import orjson
 
 # benchmark name -> module in this package with run(quick) -> dict
 BENCHMARKS = ("ingest", "read_latency", "read_throughput", "storage", "rollout_concurrency", "sample_building",
-              "end_to_end", "against_slime", "gateway")
+              "end_to_end", "against_slime", "gateway", "eval_beside")
 
 
 @dataclass
@@ -122,6 +122,12 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
     if name == "end_to_end":
         return [Row("end to end (start -> Samples)", f"{r['groups_per_s']:.1f} groups/s",
                     f"{r['stages_groups_per_s']:.1f} groups/s, stages alone", r["ratio"], ">= 0.8x", r["ratio"] >= 0.8)]
+    if name == "eval_beside":
+        return [Row(f"training run during evaluation ({r['eval_rollouts']} eval rollouts)",
+                    f"{r['groups_per_s_during_eval']:.1f} groups/s",
+                    f"{r['baseline_groups_per_s']:.1f} groups/s, no eval",
+                    r["ratio"], ">= 0.8x", r["ratio"] >= 0.8,
+                    "the evaluation's rollouts share the server's CPU, workers and engine with the training run")]
     if name == "gateway":
         cpu = r["cpu_ms_per_call"]
         return [

@@ -273,6 +273,11 @@ def _message_path_samples(
                 meta["end_token_unmasked"] = True
     stats.mask_edge_tokens = built.edge_tokens
     versions = [str(record.weight_version)] if record.weight_version is not None else []
+    calls = _extra(record, "calls")
+    if isinstance(calls, list) and calls:  # the chat-completions path keeps each engine call's meta fields
+        replay = PieceReplay(calls=[dict(c) for c in calls if isinstance(c, dict)])
+        fields.update(replay_fields(replay, None, meta))
+        versions = replay.weight_versions() or versions
     sample = make_sample(
         **fields,
         tokens=prompt_ids + response_ids,

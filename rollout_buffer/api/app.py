@@ -73,6 +73,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         registry = discover(settings.task_dir)
         for path, error in registry.errors.items():
             log.error("task module problem: %s: %s", path, error)
+        for line in registry.override_lines():
+            log.warning("%s", line)
         if embedded is None:  # an external Redis: refuse one that is not in the mode asked for
             store = await Store.open(url, cluster=settings.redis_cluster,
                                      wait_replicas=settings.redis_wait_replicas)

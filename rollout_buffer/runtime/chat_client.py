@@ -1,7 +1,10 @@
 """OpenAI `/v1/chat/completions` client, for engines without `/generate`.
 
 It records messages only (no `turns`): the trainer then re-tokenizes the messages, which is marked as a
-fallback on its side. An aborted answer is continued with SGLang's `continue_final_message`. Each call is
+fallback on its side. Each call's meta fields (`calls`: the engine's `weight_version`, `prompt_tokens`,
+`cached_tokens`, `completion_tokens`, `spec_*`, from the answer's `usage`, `usage.prompt_tokens_details`
+and `metadata`) are kept as `/generate`'s turns keep them, so the record's sample gets the same fields.
+An aborted answer is continued with SGLang's `continue_final_message`. Each call is
 stamped with a policy version like `/generate`'s pieces (SGLang's `metadata.weight_version`, else the
 run's policy version), which gives the record its `policy_version`.
 """
@@ -14,6 +17,7 @@ from typing import Any
 
 from rollout_buffer.metrics.histograms import ENGINE_CALL
 from rollout_buffer.runtime.engine_http import TransientEngineError, call_with_retries, post_once
+from rollout_buffer.runtime.engine_meta import call_meta
 from rollout_buffer.runtime.sglang_client import ROUTING_HEADER, RolloutEngineSession, merge_sampling
 from rollout_buffer.tasks.contract import ChatResult
 from rollout_buffer.wire.versions import as_version
@@ -49,10 +53,14 @@ def parse_chat_answer(answer: dict[str, Any]) -> tuple[dict[str, Any], str, int]
     return message, finish, int(usage.get("completion_tokens") or 0)
 
 
-def chat_weight_version(answer: dict[str, Any]) -> Any:
-    """SGLang's `metadata.weight_version` of a chat answer, when it gives one."""
-    metadata = answer.get("metadata")
-    return metadata.get("weight_version") if isinstance(metadata, dict) else None
+def chat_call_meta(answer: dict[str, Any]) -> dict[str, Any]:
+    """One chat answer's per-call fields (`CALL_META_KEYS`), named as `/generate`'s `meta_info` names them:
+    token counts from `usage` (`cached_tokens` from `usage.prompt_tokens_details`, where SGLang reports
+    its prefix cache hits when asked), the rest (`weight_version`, `spec_*`) from `metadata`."""
+    usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    metadata = answer.get("metadata") if isinstance(answer.get("metadata"), dict) else {}
+    return call_meta({**usage, "cached_tokens": details.get("cached_tokens"), **metadata})
 
 
 class ChatCompletionsClient(RolloutEngineSession):
@@ -63,6 +71,7 @@ class ChatCompletionsClient(RolloutEngineSession):
         super().__init__(**common)
         self.model = model
         self._calls = 0
+        self.calls: list[dict[str, Any]] = []  # every engine call's meta fields, in order (the record's `calls`)
 
     async def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                    sampling_params: dict[str, Any] | None = None) -> ChatResult:
@@ -87,7 +96,9 @@ class ChatCompletionsClient(RolloutEngineSession):
                 body["continue_final_message"] = True
                 body["add_generation_prompt"] = False
             started = await self.policy_version(fresh=piece > 0)
-            part, finish, tokens, version = await self._call(body, f"{self.routing_key}:{self._calls}:{piece}")
+            part, finish, tokens, meta = await self._call(body, f"{self.routing_key}:{self._calls}:{piece}")
+            self.calls.append(meta)
+            version = meta.get("weight_version")
             engine_version = as_version(version)
             pieces.append((started if engine_version is None else engine_version, tokens))
             used += tokens
@@ -112,7 +123,7 @@ class ChatCompletionsClient(RolloutEngineSession):
                 self.engine_s += time.perf_counter() - started
             parsed = parse_chat_answer(answer)
             self.stats["tokens_generated"] += parsed[2]
-            return (*parsed, chat_weight_version(answer))
+            return (*parsed, chat_call_meta(answer))
 
         self.stats["engine_calls"] += 1
         return await call_with_retries(attempt, self.policy, on_retry=lambda error: self.note_retry(error, rid_base))

@@ -188,7 +188,8 @@ async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session
         # measured here, so a rollout with gateway turns states none
         outside = None if gateway_turns else max(0.0, duration - getattr(client, "engine_s", 0.0))
         return success_record(result, turns=turns, tools=_tools_of(client, handle), last_finish=last_finish,
-                              duration_s=duration, policy_version=version(), non_generation_time=outside, **common)
+                              duration_s=duration, policy_version=version(), non_generation_time=outside,
+                              calls=getattr(client, "calls", None), **common)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - any task failure becomes a failure record

@@ -29,11 +29,13 @@ def status_from_turns(turns: list[dict[str, Any]], finish_reason: str | None) ->
 def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repeat: int, attempt: int,
                    turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    last_finish: str | None, duration_s: float, generation: int = 0,
-                   policy_version: int | None = None, non_generation_time: float | None = None) -> dict[str, Any]:
+                   policy_version: int | None = None, non_generation_time: float | None = None,
+                   calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Validate a task's result and complete it into a record; raises on a result that breaks the contract.
     `non_generation_time`: seconds of the rollout not spent waiting on the engine (tools, environment),
     slime's `Sample.non_generation_time`; `session_id` is the engine routing key (the uid)
-    unless the task names its own session."""
+    unless the task names its own session. `calls`: each engine call's meta fields when the client records
+    no turns (the chat-completions path), kept as `calls` (a turn keeps its own as `Turn.calls`)."""
     if not isinstance(result, dict):
         raise TypeError(f"rollout() must return a dict, got {type(result).__name__}")
     if "messages" not in result or "reward" not in result:
@@ -50,6 +52,8 @@ def success_record(result: Any, *, uid: str, instance_id: str, epoch: int, repea
     if non_generation_time is not None:
         record.setdefault("non_generation_time", round(non_generation_time, 4))
     record.setdefault("tools", tools)
+    if calls and not turns:
+        record.setdefault("calls", calls)
     record.setdefault("status", status_from_turns(turns, last_finish))
     if turns:
         record.setdefault("finish_reason", turns[-1]["finish_reason"])

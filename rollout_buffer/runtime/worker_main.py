@@ -30,6 +30,8 @@ async def serve_worker(settings: Settings, stop: asyncio.Event, *, share: tuple[
     registry = discover(settings.task_dir)
     for path, error in registry.errors.items():
         log.error("task module problem: %s: %s", path, error)
+    for line in registry.override_lines():
+        log.warning("%s", line)
     store = await Store.open(url, cluster=settings.redis_cluster,
                              wait_replicas=settings.redis_wait_replicas)
     pool = WorkerPool(store, registry, settings, loops=settings.workers or 1, share=share)

@@ -37,7 +37,8 @@ class Node:
     history_len: int = 0  # messages in the request (the answer is message number history_len + 1)
     tools: list[dict[str, Any]] | None = None
     fork_reason: str | None = None
-    created_at: float = 0.0
+    created_at: float = 0.0  # when its answer was ready
+    started_at: float = 0.0  # when its request reached the gateway (0: stored before this was kept)
     extra: dict[str, Any] = field(default_factory=dict)
     chain: list[int] = field(default_factory=list)  # ancestors, root first
     base: int = 0  # prompt tokens that are the parent's prompt + output (not stored with this turn)
@@ -71,7 +72,8 @@ class Node:
             "index": self.index, "parent": self.parent, "new_messages": self.new_messages, "message": self.message,
             "finish_reason": self.finish_reason, "weight_version": self.weight_version,
             "version_spans": self.version_spans, "history_len": self.history_len, "tools": self.tools,
-            "fork_reason": self.fork_reason, "created_at": self.created_at, "extra": self.extra,
+            "fork_reason": self.fork_reason, "created_at": self.created_at, "started_at": self.started_at,
+            "extra": self.extra,
             "chain": self.chain, "base": self.base, "calls": self.calls,
             "routed_experts_start_len": self.routed_experts_start_len,
             "n_experts": None if self.routed_experts is None else len(self.routed_experts),

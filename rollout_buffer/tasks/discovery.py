@@ -1,7 +1,10 @@
 """Task discovery: `*_generator.py` modules in the built-in folders and in every `--task-dir`.
 
 A module that fails to import is kept as an error entry (reported at start-up and by `GET /tasks`), not
-fatal: one broken task must not take the other tasks down. Two modules claiming one `TASK_TYPE` is fatal,
+fatal: one broken task must not take the other tasks down. A `--task-dir` module whose `TASK_TYPE` is a
+built-in's replaces that built-in (the user named the folder: slime's own generator example declares
+`"math"`); the replacement is kept in `TaskRegistry.overrides`, logged by the process that discovered it and
+shown by `GET /tasks`. Two `--task-dir` modules (or two built-ins) claiming one `TASK_TYPE` is fatal,
 because which one runs would be a guess.
 """
 
@@ -38,6 +41,8 @@ class TaskModule:
     task_type: str
     path: Path
     module: ModuleType
+    source: str = "builtin"  # "builtin" or "task-dir"
+    overrides: Path | None = None  # the built-in module of the same TASK_TYPE this one replaced
 
     @property
     def kind(self) -> str:
@@ -74,14 +79,25 @@ class TaskRegistry:
     tasks: dict[str, TaskModule] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # file path -> error
 
+    @property
+    def overrides(self) -> dict[str, TaskModule]:
+        """Task types whose built-in module a `--task-dir` module replaced (the replacing module)."""
+        return {name: task for name, task in self.tasks.items() if task.overrides is not None}
+
+    def override_lines(self) -> list[str]:
+        """One log line per replaced built-in, saying which module is active and from where."""
+        return [f"task type {name!r}: {task.path} (--task-dir) is active; it overrides the built-in {task.overrides}"
+                for name, task in sorted(self.overrides.items())]
+
     def get(self, task_type: str) -> TaskModule | None:
         return self.tasks.get(task_type)
 
     def describe(self) -> dict[str, Any]:
         return {
             "tasks": {
-                name: {"path": str(task.path), "kind": task.kind,
-                       "hooks": [h for h in HOOKS if task.hook(h)]}
+                name: {"path": str(task.path), "kind": task.kind, "source": task.source,
+                       "hooks": [h for h in HOOKS if task.hook(h)],
+                       **({"overrides": str(task.overrides)} if task.overrides is not None else {})}
                 for name, task in sorted(self.tasks.items())
             },
             "errors": dict(sorted(self.errors.items())),
@@ -107,9 +123,11 @@ def _import_file(path: Path) -> ModuleType:
 
 
 def discover(task_dirs: list[Path] | tuple[Path, ...] = ()) -> TaskRegistry:
-    """Import every `*_generator.py`; raises TaskRegistryError when two claim one TASK_TYPE."""
+    """Import every `*_generator.py`; a `--task-dir` module replaces a built-in of its TASK_TYPE; raises
+    TaskRegistryError when two built-ins, or two `--task-dir` modules, claim one TASK_TYPE."""
     registry = TaskRegistry()
-    for folder in [*BUILTIN_DIRS, *task_dirs]:
+    folders = [(folder, "builtin") for folder in BUILTIN_DIRS] + [(folder, "task-dir") for folder in task_dirs]
+    for folder, source in folders:
         folder = Path(folder)
         if not folder.is_dir():
             registry.errors[str(folder)] = "task directory does not exist"
@@ -131,8 +149,9 @@ def discover(task_dirs: list[Path] | tuple[Path, ...] = ()) -> TaskRegistry:
                 registry.errors[str(path)] = "module defines neither rollout(sample, ctx) nor run_rollout(data)"
                 log.error("task module %s defines no rollout function", path)
                 continue
-            if task_type in registry.tasks:
-                other = registry.tasks[task_type].path
-                raise TaskRegistryError(f"TASK_TYPE {task_type!r} is defined by both {other} and {path}")
-            registry.tasks[task_type] = TaskModule(task_type, path, module)
+            other = registry.tasks.get(task_type)
+            if other is not None and other.source == source:
+                raise TaskRegistryError(f"TASK_TYPE {task_type!r} is defined by both {other.path} and {path}")
+            replaced = other.path if other is not None else None
+            registry.tasks[task_type] = TaskModule(task_type, path, module, source, replaced)
     return registry

@@ -10,6 +10,7 @@ records anyway) avoid JSON's per-number cost on both sides. `encode_batch` build
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,4 +80,7 @@ def decode_batch(body: bytes) -> list[PackedItem]:
 
 def stamped_blob(item: PackedItem, run_id: str) -> bytes:
     """The record as the store keeps it: the validated header with `run_id`, the arrays untouched."""
-    return with_header(item.blob, {**item.header, "run_id": run_id}, item.offset)
+    header = {**item.header, "run_id": run_id}
+    if header.get("timestamp") is None:  # as `TrajectoryRecord.to_store`: the time the buffer stored it
+        header["timestamp"] = time.time()
+    return with_header(item.blob, header, item.offset)

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-__all__ = ["install_torch_standin", "real_slime", "slime_dir_or_skip"]
+__all__ = ["TORCH_PATH", "fill_torch", "install_torch_standin", "real_slime", "slime_dir_or_skip"]
+
+# A folder holding an importable `torch` package (the stand-in), for the PYTHONPATH of processes a tier test
+# starts (the server running slime's generator example); never on the test process's own path.
+TORCH_PATH = Path(__file__).parent / "torch_path"
 
 
 class Tensor(np.ndarray):
@@ -60,7 +65,13 @@ def install_torch_standin(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """Put the stand-in at `sys.modules["torch"]` (undone by `monkeypatch`), unless a real torch is there."""
     if "torch" in sys.modules and not getattr(sys.modules["torch"], "IS_STANDIN", False):
         return sys.modules["torch"]
-    torch = types.ModuleType("torch")
+    torch = fill_torch(types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch
+
+
+def fill_torch(torch: types.ModuleType) -> types.ModuleType:
+    """Give a module the stand-in's names (also the body of `torch_path/torch`, for child processes)."""
     torch.IS_STANDIN = True  # type: ignore[attr-defined]
     torch.Tensor = Tensor  # type: ignore[attr-defined]
     torch.Size = tuple  # type: ignore[attr-defined]
@@ -71,7 +82,6 @@ def install_torch_standin(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     torch.tensor, torch.as_tensor, torch.cat = _tensor, _as_tensor, _cat  # type: ignore[attr-defined]
     torch.frombuffer = _frombuffer  # type: ignore[attr-defined]
     torch.is_tensor = lambda value: isinstance(value, Tensor)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "torch", torch)
     return torch
 
 

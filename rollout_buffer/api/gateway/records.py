@@ -4,7 +4,8 @@
 policy version); a branch the client forked shows as a turn whose prompt does not extend the turn before,
 which the adapter cuts into its own piece (`fork_policy`). `messages` are the conversation of the latest
 turn in OpenAI format, `tools` its tools. The uid is the session id, so finishing twice (a retried finish,
-or the idle reaper racing a client) stores one record.
+or the idle reaper racing a client) stores one record. `non_generation_time` (slime's) is the agent's time
+between turns: from its first request to its last answer, the time no turn of it was being answered.
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ def conversation(nodes: dict[int, Node], last: Node) -> list[dict[str, Any]]:
     return messages
 
 
+def outside_engine_time(nodes: list[Node]) -> float | None:
+    """slime's `non_generation_time` of a session: the time between its first request and its last answer
+    when no turn was being answered (the agent's tools and environment between turns); turns answered side
+    by side count once. None when a turn was stored without its request time."""
+    if not nodes or any(n.started_at <= 0.0 for n in nodes):
+        return None
+    spans = sorted((n.started_at, max(n.started_at, n.created_at)) for n in nodes)
+    gaps, reach = 0.0, spans[0][1]
+    for start, end in spans[1:]:
+        gaps += max(0.0, start - reach)
+        reach = max(reach, end)
+    return round(gaps, 4)
+
+
 def build_record(session: Session, nodes: list[Node], *, reward: float, status: str,
                  extra_info: dict[str, Any]) -> dict[str, Any]:
     """The record as the store packs it (turns as arrays)."""
@@ -45,12 +60,16 @@ def build_record(session: Session, nodes: list[Node], *, reward: float, status: 
     info = {**extra_info, "session_id": session.session_id, "gateway_turns": len(nodes), "gateway_forks": forks}
     if session.metadata:
         info.setdefault("session_metadata", session.metadata)
-    record = TrajectoryRecord.model_validate({
+    fields: dict[str, Any] = {
         "uid": session.session_id, "instance_id": session.instance_id, "epoch": session.epoch,
         "messages": conversation(by_index, last) if last is not None else [],
         "reward": reward, "status": status, "extra_info": info, "tools": last.tools if last is not None else None,
         "finish_reason": last.finish_reason if last is not None else None, "run_id": session.run_id,
-        "timestamp": time.time()})
+        "timestamp": time.time()}
+    outside = outside_engine_time(nodes)
+    if outside is not None:
+        fields["non_generation_time"] = outside
+    record = TrajectoryRecord.model_validate(fields)
     data = record.to_store()
     data["turns"] = [n.turn() for n in nodes] if nodes else None
     return data

@@ -112,6 +112,7 @@ async def _fork_reason(gw: Gateway, session: Session, count: int, messages: list
 async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None, client_params: dict[str, Any]) -> TurnAnswer:
     """Answer one request of `session` (see the module docstring)."""
+    arrived = time.time()  # from here until the answer, the agent waits on the model (not tool time)
     _check(messages)
     tools = tools or None
     run_id, sid = session.run_id, session.session_id
@@ -158,7 +159,7 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
                 output_logprobs=np.asarray(turn["output_logprobs"], dtype=np.float64),
                 finish_reason=str(turn["finish_reason"]), weight_version=turn.get("weight_version"),
                 version_spans=turn.get("version_spans"), history_len=len(messages), tools=tools, fork_reason=fork,
-                created_at=time.time(), extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {},
+                created_at=time.time(), started_at=arrived, extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {},
                 **replay_fields(turn),
                 chain=[] if parent is None else [*parent.chain, parent.index],
                 base=0 if parent is None else len(parent.prompt_ids) + len(parent.output_ids))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,7 +12,7 @@ from rollout_buffer.api.errors import error_response
 from rollout_buffer.api.state import AppState, state_of
 from rollout_buffer.store.store import WriteOutcome
 from rollout_buffer.wire.packed_batch import CONTENT_TYPE, PackedBatchError, decode_batch, stamped_blob
-from rollout_buffer.wire.record_parsing import parse_batch, parse_record
+from rollout_buffer.wire.record_parsing import ParsedRecord, parse_batch, parse_record
 from rollout_buffer.wire.schema import BatchWriteRequest, TrajectoryRecord
 
 router = APIRouter()
@@ -28,6 +29,14 @@ def batch_answer(state: AppState, run_id: str, uids: list[str], outcomes: list[W
             "message": f"{counts['stored'] + counts['completed']} stored, {counts['duplicate']} duplicate(s), "
                        f"{counts['dropped']} dropped",
             "data": {"results": results, **counts}}
+
+
+def stamped(parsed: ParsedRecord) -> ParsedRecord:
+    """A record written without a `timestamp` gets the time the buffer stored it: slime's buffer client sorts
+    the groups it reads by it (and `float()`s it), and the hand-over delay is measured from it."""
+    if parsed.record.timestamp is None:
+        parsed.record.timestamp = time.time()
+    return parsed
 
 
 async def superseded_answer(state: AppState, run_id: str) -> Any:
@@ -57,7 +66,7 @@ async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
     if run_id is None:
         return error_response(409, "no active run: start one with POST /start_rollout "
                                    "(or give the record a run_id)")
-    outcome = await state.store.write_record(run_id, parsed.to_store())
+    outcome = await state.store.write_record(run_id, stamped(parsed).to_store())
     if outcome.reason == "unknown_run":  # checked inside the write script: no extra round trip
         return error_response(404, f"unknown run_id {run_id!r}")
     if outcome.reason == "run_superseded":
@@ -101,7 +110,7 @@ async def buffer_write_batch(request: Request) -> Any:
     foreign = [p.record.uid for p in parsed if p.record.run_id not in (None, run_id)]
     if foreign:
         return error_response(422, f"records {foreign[:5]} name another run than {run_id!r}")
-    outcomes = await state.store.write_records(run_id, [p.to_store() for p in parsed])
+    outcomes = await state.store.write_records(run_id, [stamped(p).to_store() for p in parsed])
     return batch_answer(state, run_id, [p.record.uid for p in parsed], outcomes)
 
 

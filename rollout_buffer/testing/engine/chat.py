@@ -3,7 +3,9 @@
 Messages are rendered with the tokenizer's chat template (tool-call arguments given as JSON strings are
 parsed first, as SGLang does), `continue_final_message`, `chat_template_kwargs`, `rid`, `n`,
 `return_token_ids`; the answer's assistant message is parsed from the generated text (tool calls with
-string `arguments`, `finish_reason` `tool_calls`), with optional per-token logprobs.
+string `arguments`, `finish_reason` `tool_calls`), with optional per-token logprobs. `usage` has
+`prompt_tokens_details.cached_tokens` and `metadata` the engine's `weight_version` and, with
+`spec_draft_tokens`, the `spec_*` counters (of the first choice), as `/generate`'s `meta_info` has them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rollout_buffer.tasks.chat_format import parse_assistant_text
 from rollout_buffer.testing.engine.http_server import BadRequest
 from rollout_buffer.testing.engine.output import Result
 from rollout_buffer.testing.engine.policy import stable_seed
+from rollout_buffer.testing.engine.replay import replay_meta
 
 if TYPE_CHECKING:
     from rollout_buffer.testing.engine.server import TestEngine
@@ -53,6 +56,12 @@ async def build_chat(engine: TestEngine, body: dict[str, Any], fault: str) -> An
         for i, r in enumerate(results)
     ]
     completion_tokens = sum(len(r.output_ids) for r in results)
+    # the prefix cache and speculative counts of `/generate`'s meta_info: the cache hits where OpenAI's usage
+    # puts them (SGLang's `--enable-cache-report`), the spec counters beside `weight_version`
+    cached = engine.prefix_cache.cached(prompt_ids)
+    meta = replay_meta(engine.config, {}, {}, prompt_ids, results[0].output_ids, cached, engine.codec.vocab_size)
+    for result in results:
+        engine.prefix_cache.add(prompt_ids + result.output_ids)
     payload: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
@@ -63,8 +72,10 @@ async def build_chat(engine: TestEngine, body: dict[str, Any], fault: str) -> An
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": completion_tokens,
             "total_tokens": len(prompt_ids) + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": meta["cached_tokens"]},
         },
-        "metadata": {"weight_version": engine.config.weight_version},
+        "metadata": {"weight_version": engine.config.weight_version,
+                     **{k: v for k, v in meta.items() if k.startswith("spec_")}},
     }
     if return_ids:
         payload["prompt_token_ids"] = prompt_ids
