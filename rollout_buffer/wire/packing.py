@@ -77,10 +77,13 @@ def pack_record(record: dict[str, Any]) -> bytes:
         for turn in turns:
             (prompt_values, output_values, logprobs, finish_reason, weight_version, spans, calls, experts,
              experts_start, top_p_ids, top_p_offsets) = _turn_values(turn)
-            try:
-                prompt, output = token_array(prompt_values), token_array(output_values)
-            except OverflowError as exc:
-                raise PackingError(f"token id out of int32 range: {exc}") from exc
+            if getattr(turn, "ids_checked", False):  # int32 arrays the parser range-checked already
+                prompt, output = prompt_values, output_values
+            else:
+                try:
+                    prompt, output = token_array(prompt_values), token_array(output_values)
+                except OverflowError as exc:
+                    raise PackingError(f"token id out of int32 range: {exc}") from exc
             extends = (prefix is not None and len(prefix) > 0 and len(prompt) >= len(prefix)
                        and np.array_equal(prompt[:len(prefix)], prefix))
             stored_prompt = prompt[len(prefix):] if extends and prefix is not None else prompt
