@@ -119,7 +119,7 @@ def _bodies(count: int, run_id: str | None, tag: str, seed: int) -> list[bytes]:
 
 def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
     """Writes, then one full read, on both sides; `trials` rounds, sides alternating."""
-    from bench.ingest import _drive
+    from bench.load import drive
     from bench.read_throughput import TASKS, _timed_read, _wait_healthy
     from tests.support.helpers import ServerProcess, free_port, write_jsonl
 
@@ -148,7 +148,7 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
                     order = ["slime", "ours"] if trial % 2 else ["ours", "slime"]
                     for side in order:
                         url = f"{slime_url}/buffer/write" if side == "slime" else f"{server.url}/buffer/write"
-                        seconds = loop.run_until_complete(_drive(url, bodies[side], clients=CLIENTS))
+                        seconds = loop.run_until_complete(drive(url, bodies[side], clients=CLIENTS))
                         if trial:
                             writes[side].append(seconds)
                     del bodies

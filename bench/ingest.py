@@ -19,11 +19,9 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.load import CLIENTS, drive
 from bench.records import realistic_record
 from rollout_buffer.wire.packed_batch import CONTENT_TYPE, encode_batch
-
-CLIENTS = 64
-
 
 def _bodies(count: int, run_id: str, tag: str) -> list[bytes]:
     template = realistic_record("INSTANCE", "UID", seed=1)
@@ -32,25 +30,6 @@ def _bodies(count: int, run_id: str, tag: str) -> list[bytes]:
     # distinct uids, groups of 8 per instance id, without re-serialising 60 KB per record
     return [raw.replace(b'"UID"', f'"{tag}-{i}"'.encode()).replace(b'"INSTANCE"', f'"{tag}-g{i // 8}"'.encode())
             for i in range(count)]
-
-
-async def _drive(url: str, bodies: list[bytes], clients: int = CLIENTS, content_type: str = "application/json") -> float:
-    """Posts every body with `clients` concurrent connections; returns the seconds it took."""
-    queue = list(reversed(bodies))
-    headers = {"content-type": content_type}
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        async def client() -> None:
-            while queue:
-                body = queue.pop()
-                async with session.post(url, data=body, headers=headers) as response:
-                    if response.status != 200:
-                        raise RuntimeError(f"{url}: {response.status} {await response.text()}")
-                    await response.read()
-
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
-        return time.perf_counter() - started
 
 
 def _packed_batches(count: int, size: int, run_id: str) -> tuple[list[bytes], float]:
@@ -75,16 +54,16 @@ async def _run_async(base: str, input_file: Path, count: int, batch_size: int) -
             "task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 8,
             "run_id": f"bench-ingest-{int(time.time() * 1000)}"}) as response:
             run_id = (await response.json())["run_id"]
-    await _drive(f"{base}/_bench/parse_only", _bodies(64, run_id, "warm"))  # warm-up, not timed
-    read_only = count / await _drive(f"{base}/_bench/read_only", _bodies(count, run_id, "read"))
-    parse_only = count / await _drive(f"{base}/_bench/parse_only", _bodies(count, run_id, "noop"))
-    single = count / await _drive(f"{base}/buffer/write", _bodies(count, run_id, "single"))
+    await drive(f"{base}/_bench/parse_only", _bodies(64, run_id, "warm"))  # warm-up, not timed
+    read_only = count / await drive(f"{base}/_bench/read_only", _bodies(count, run_id, "read"))
+    parse_only = count / await drive(f"{base}/_bench/parse_only", _bodies(count, run_id, "noop"))
+    single = count / await drive(f"{base}/buffer/write", _bodies(count, run_id, "single"))
     batch_clients = min(CLIENTS, max(count // batch_size, 1))
-    json_batch = count / await _drive(f"{base}/buffer/write_batch",
+    json_batch = count / await drive(f"{base}/buffer/write_batch",
                                       _batches(_bodies(count, run_id, "jbatch"), batch_size, run_id),
                                       clients=batch_clients)
     packed_bodies, packing_s = _packed_batches(count, batch_size, run_id)
-    packed = count / (packing_s + await _drive(f"{base}/buffer/write_packed?run_id={run_id}", packed_bodies,
+    packed = count / (packing_s + await drive(f"{base}/buffer/write_packed?run_id={run_id}", packed_bodies,
                                                clients=batch_clients, content_type=CONTENT_TYPE))
     return {
         "records": count,
