@@ -47,15 +47,17 @@ def shortfall(row: Row) -> str:
     return f"{missing:.2f} ({missing / bound:.0%}) short of {match.group(1)} {bound:g}"
 
 
-HTTP_BOUND = ("a 2-core machine runs the load generator, the server and Redis; per write the server receives ~79 KB "
-              "(0.2 ms of CPU per record on the read-only route), parses ~7,500 numbers into arrays, packs them and "
-              "makes a Redis round trip (profile: bench/README.md)")
-BATCH_BOUND = ("the single write now goes through a lean ASGI path, so batching saves only what is left per request "
-               "(HTTP parsing, the answer, a Redis round trip): the server's CPU per record measured 0.30-0.43 ms in a "
-               "JSON batch against 0.39-0.44 ms single (a ~1.3x ceiling); the rest is per byte: receiving, parsing "
-               "and packing ~79 KB per record, the same in both")
-PACKED_BOUND = ("the writer's packing (encode_batch from JSON-shaped lists: 0.15-0.18 ms of CPU per record, about half "
-                "of the row's time) is counted on the same 2 cores the server uses; the server's part is 0.13-0.18 ms "
+HTTP_BOUND = ("the baselines are answered like the write (a lean ASGI path, no routing), so what separates them is "
+              "storing: packing, the write script's round trip and the answer cost the server ~0.13 ms per ~79 KB "
+              "record beyond parsing (0.33 against 0.20 ms of CPU; reading alone 0.06 ms), Redis another ~0.07 ms "
+              "on the other core, and its AOF rewrites (a rewrite was running at the end of most phases of 3,072 "
+              "writes) take a core for a while, on 2 cores shared with the load generator (bench/README.md)")
+BATCH_BOUND = ("single writes now take a lean ASGI path, so a batch saves only what is left per request (HTTP "
+               "parsing, the answer, one round trip): the server's CPU per record measured 0.29-0.43 ms in a JSON "
+               "batch of 64 against 0.33-0.44 ms single; the rest, parsing ~7,500 numbers per record, packing and "
+               "Redis, is the same in both")
+PACKED_BOUND = ("the writer's packing (encode_batch from JSON-shaped lists: 0.11-0.18 ms of CPU per record, 40-50% of "
+                "the row's time) is counted on the same 2 cores the server uses; the server's part is 0.13-0.18 ms "
                 "per record (array checks, the header's model, Redis)")
 TOKEN_BOUND = ("about 40% of the token path (cProfile) is the record model's validation of JSON id lists (pydantic, "
                "and min/max range checks over every turn's ids), which records read packed skip; the message path "
