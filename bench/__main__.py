@@ -57,7 +57,7 @@ BATCH_BOUND = ("single writes now take a lean ASGI path, so a batch saves only w
                "batch of 64 against 0.33-0.44 ms single; the rest, parsing ~7,500 numbers per record, packing and "
                "Redis, is the same in both")
 PACKED_BOUND = ("the writer's packing (encode_batch from JSON-shaped lists: 0.11-0.18 ms of CPU per record, 40-50% of "
-                "the row's time) is counted on the same 2 cores the server uses; the server's part is 0.13-0.18 ms "
+                "the row's time) is counted on the same 2 cores the server uses; the server's part is 0.11-0.18 ms "
                 "per record (array checks, the header's model, Redis)")
 TOKEN_BOUND = ("about 40% of the token path (cProfile) is the record model's validation of JSON id lists (pydantic, "
                "and min/max range checks over every turn's ids), which records read packed skip; the message path "
