@@ -15,8 +15,8 @@ repository; nothing of it is copied into this project, it is loaded from DIR at 
   each side with its own client: slime's (aiohttp, the body parsed with `json`, as
   `rollout_buffer_example.py` reads) and ours (the adapter's packed read, decoded into numpy arrays).
 
-Writes and reads alternate which side goes first (5 trials after a warm-up); each side's best trial counts (the one least disturbed by
-other jobs on a shared machine), every trial is kept in the results.
+Writes and reads alternate which side goes first (5 trials after a warm-up); each side's best trial counts
+(the one least disturbed by other jobs on a shared machine), every trial is kept in the results.
 """
 
 from __future__ import annotations
