@@ -9,13 +9,14 @@ repository; nothing of it is copied into this project, it is loaded from DIR at 
   alternating, our block cache cold at the start of each round.
 * single-record writes: slime's buffer server (`slime_plugins/rollout_buffer/buffer.py`, served by
   uvicorn as its `__main__` serves it, access log off) against our `/buffer/write` on a `rollout-buffer
-  serve` process (embedded Redis, append-only file on), the same ~48 KB records, 64 clients each.
+  serve` process (embedded Redis, append-only file on), the same ~48 KB records, 64 clients each, both
+  driven by the same load generator (`bench.load`: pre-encoded HTTP/1.1 requests on keep-alive connections).
 * full read to records in the trainer's hands: after the writes, one `/get_rollout_data` of everything,
   each side with its own client: slime's (aiohttp, the body parsed with `json`, as
   `rollout_buffer_example.py` reads) and ours (the adapter's packed read, decoded into numpy arrays).
 
-Writes and reads alternate which side goes first; each side's best trial counts (the one least disturbed by
-other jobs on a shared machine), every trial is kept in the results.
+Writes and reads alternate which side goes first (5 trials after a warm-up); each side's best trial counts
+(the one least disturbed by other jobs on a shared machine), every trial is kept in the results.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ import orjson
 SLIME_GROUP = 16  # slime's buffer hands out groups of its default size (16)
 CLIENTS = 64
 MASK_ROUNDS = 3
+# writes and reads: trials after a warm-up, sides alternating; best per side (other jobs on a shared machine
+# hit a short trial of ours harder than slime's four times longer one, so a few more chances)
+WRITE_TRIALS = 5
 
 
 def _load(slime_dir: Path, relative: str, name: str) -> Any:
@@ -119,11 +123,11 @@ def _bodies(count: int, run_id: str | None, tag: str, seed: int) -> list[bytes]:
 
 def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
     """Writes, then one full read, on both sides; `trials` rounds, sides alternating."""
-    from bench.ingest import _drive
+    from bench.load import drive
     from bench.read_throughput import TASKS, _timed_read, _wait_healthy
     from tests.support.helpers import ServerProcess, free_port, write_jsonl
 
-    count, trials = (512, 2) if quick else (2048, 3)
+    count, trials = (512, 2) if quick else (2048, WRITE_TRIALS)
     writes: dict[str, list[float]] = {"slime": [], "ours": []}
     reads: dict[str, list[float]] = {"slime": [], "ours": []}
     ours_body: list[float] = []  # our read's seconds to the whole body (server work and transfer)
@@ -148,7 +152,7 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
                     order = ["slime", "ours"] if trial % 2 else ["ours", "slime"]
                     for side in order:
                         url = f"{slime_url}/buffer/write" if side == "slime" else f"{server.url}/buffer/write"
-                        seconds = loop.run_until_complete(_drive(url, bodies[side], clients=CLIENTS))
+                        seconds = loop.run_until_complete(drive(url, bodies[side], clients=CLIENTS))
                         if trial:
                             writes[side].append(seconds)
                     del bodies

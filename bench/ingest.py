@@ -19,10 +19,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+from bench.load import CLIENTS, drive
 from bench.records import realistic_record
 from rollout_buffer.wire.packed_batch import CONTENT_TYPE, encode_batch
 
-CLIENTS = 64
+ROUNDS = 3
 
 
 def _bodies(count: int, run_id: str, tag: str) -> list[bytes]:
@@ -34,30 +35,11 @@ def _bodies(count: int, run_id: str, tag: str) -> list[bytes]:
             for i in range(count)]
 
 
-async def _drive(url: str, bodies: list[bytes], clients: int = CLIENTS, content_type: str = "application/json") -> float:
-    """Posts every body with `clients` concurrent connections; returns the seconds it took."""
-    queue = list(reversed(bodies))
-    headers = {"content-type": content_type}
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        async def client() -> None:
-            while queue:
-                body = queue.pop()
-                async with session.post(url, data=body, headers=headers) as response:
-                    if response.status != 200:
-                        raise RuntimeError(f"{url}: {response.status} {await response.text()}")
-                    await response.read()
-
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(clients)))
-        return time.perf_counter() - started
-
-
-def _packed_batches(count: int, size: int, run_id: str) -> tuple[list[bytes], float]:
+def _packed_batches(count: int, size: int, run_id: str, tag: str = "packed") -> tuple[list[bytes], float]:
     """`/buffer/write_packed` bodies of the same records, and the seconds the client spent packing them
     (counted in the packed rate: a writer that has JSON-shaped records must pack them first)."""
     template = realistic_record("INSTANCE", "UID", seed=1)
-    records = [{**template, "uid": f"packed-{i}", "instance_id": f"packed-g{i // 8}", "run_id": run_id}
+    records = [{**template, "uid": f"{tag}-{i}", "instance_id": f"{tag}-g{i // 8}", "run_id": run_id}
                for i in range(count)]
     started = time.perf_counter()
     bodies = [encode_batch(records[i:i + size]) for i in range(0, count, size)]
@@ -69,23 +51,33 @@ def _batches(bodies: list[bytes], size: int, run_id: str) -> list[bytes]:
     return [prefix + b",".join(bodies[i:i + size]) + b"]}" for i in range(0, len(bodies), size)]
 
 
-async def _run_async(base: str, input_file: Path, count: int, batch_size: int) -> dict[str, Any]:
+async def _run_async(base: str, input_file: Path, count: int, batch_size: int, rounds: int) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{base}/start_rollout", json={
             "task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 8,
             "run_id": f"bench-ingest-{int(time.time() * 1000)}"}) as response:
             run_id = (await response.json())["run_id"]
-    await _drive(f"{base}/_bench/parse_only", _bodies(64, run_id, "warm"))  # warm-up, not timed
-    read_only = count / await _drive(f"{base}/_bench/read_only", _bodies(count, run_id, "read"))
-    parse_only = count / await _drive(f"{base}/_bench/parse_only", _bodies(count, run_id, "noop"))
-    single = count / await _drive(f"{base}/buffer/write", _bodies(count, run_id, "single"))
+    await drive(f"{base}/_bench/parse_only", _bodies(64, run_id, "warm"))  # warm-up, not timed
     batch_clients = min(CLIENTS, max(count // batch_size, 1))
-    json_batch = count / await _drive(f"{base}/buffer/write_batch",
-                                      _batches(_bodies(count, run_id, "jbatch"), batch_size, run_id),
-                                      clients=batch_clients)
-    packed_bodies, packing_s = _packed_batches(count, batch_size, run_id)
-    packed = count / (packing_s + await _drive(f"{base}/buffer/write_packed?run_id={run_id}", packed_bodies,
-                                               clients=batch_clients, content_type=CONTENT_TYPE))
+    seconds: dict[str, list[float]] = {name: [] for name in ("read", "noop", "single", "jbatch", "packed")}
+
+    async def measure(name: str, n: int) -> float:
+        if name == "jbatch":
+            batches = _batches(_bodies(count, run_id, f"jbatch{n}"), batch_size, run_id)
+            return await drive(f"{base}/buffer/write_batch", batches, clients=batch_clients)
+        if name == "packed":
+            bodies, packing_s = _packed_batches(count, batch_size, run_id, f"packed{n}")
+            packing.append(packing_s)
+            return packing_s + await drive(f"{base}/buffer/write_packed?run_id={run_id}", bodies,
+                                           clients=batch_clients, content_type=CONTENT_TYPE)
+        return await drive(f"{base}/{routes[name]}", _bodies(count, run_id, f"{name}{n}"))
+
+    routes = {"read": "_bench/read_only", "noop": "_bench/parse_only", "single": "buffer/write"}
+    packing: list[float] = []
+    for n in range(rounds):  # every side once per round, the order reversed every other round (Redis grows as
+        for name in list(seconds) if n % 2 == 0 else list(seconds)[::-1]:  # the run goes: AOF rewrites)
+            seconds[name].append(await measure(name, n))
+    read_only, parse_only, single, json_batch, packed = (count / min(seconds[name]) for name in seconds)
     return {
         "records": count,
         "record_json_bytes": len(_bodies(1, run_id, "size")[0]),
@@ -98,8 +90,9 @@ async def _run_async(base: str, input_file: Path, count: int, batch_size: int) -
         "json_batch_records_per_s": json_batch,
         "json_batch_ratio": json_batch / single,
         "batch_records_per_s": packed,
-        "packing_s": packing_s,
+        "packing_s": min(packing),
         "packed_vs_json_batch": packed / json_batch,
+        "rounds_s": seconds,
     }
 
 
@@ -113,7 +106,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         input_file = write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "x"}])
         with ServerProcess(tmp_path / "data", "--task-dir", str(tasks), "--workers", "0",
                            module="bench.baseline_server") as server:
-            return asyncio.run(_run_async(server.url, input_file, count, batch_size))
+            return asyncio.run(_run_async(server.url, input_file, count, batch_size, 2 if quick else ROUNDS))
 
 
 def main(argv: list[str] | None = None) -> int:

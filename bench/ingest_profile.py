@@ -19,7 +19,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from bench.ingest import _bodies, _drive
+from bench.ingest import _bodies
+from bench.load import drive
 
 # (part, markers): a sample belongs to the first part one of whose markers appears in its stack
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -27,7 +28,8 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("simdjson parse into numpy", ("rollout_buffer/wire/record_parsing.py",)),
     ("pydantic validation (the fields other than turns)", ("pydantic/",)),
     ("Redis write script and its round trip", ("rollout_buffer/store/store.py", "redis/")),
-    ("reading the request body", ("parse_body_with", "Request.body", "Request.stream")),
+    ("reading the request body", ("parse_body_with", "Request.body", "Request.stream",
+                                  "_body (rollout_buffer/api/fast_write")),
     ("answer serialisation", ("rollout_buffer/api/responses.py", "Response.__init__", "serialize_response")),
     ("HTTP stack (uvicorn, starlette, fastapi routing)", ("uvicorn/", "starlette/", "fastapi/", "httptools")),
     ("event loop in C (uvloop: socket reads and writes) and the rest", ("",)),
@@ -76,7 +78,7 @@ def run(count: int, rounds: int) -> None:
                 "task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 8,
                 "run_id": "profile-ingest"}, timeout=30).json()["run_id"]
             for n in range(rounds):
-                seconds = asyncio.run(_drive(f"{server.url}/buffer/write", _bodies(count, run_id, f"r{n}")))
+                seconds = asyncio.run(drive(f"{server.url}/buffer/write", _bodies(count, run_id, f"r{n}")))
                 print(f"round {n}: {count / seconds:.0f} rec/s", file=sys.stderr)
 
 

@@ -7,6 +7,7 @@ names that slime's class has too, and `make_sample` drops fields an older slime 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
@@ -124,7 +125,12 @@ def sample_class() -> Any:
 
 def sample_field_names() -> frozenset[str]:
     """The fields the active `Sample` class accepts (slime versions differ)."""
-    return frozenset(f.name for f in dataclasses.fields(sample_class()))
+    return _field_names(sample_class())
+
+
+@functools.lru_cache(maxsize=8)
+def _field_names(cls: type) -> frozenset[str]:  # per class: read for every sample built
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def make_sample(**values: Any) -> Any:

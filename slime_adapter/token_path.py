@@ -105,7 +105,7 @@ class _PieceBuilder:
             self.has_log_probs = False
             self.log_probs.extend([0.0] * len(turn.output_ids))
         else:
-            self.log_probs.extend(float(x) for x in turn.output_logprobs)
+            self.log_probs.extend(map(float, turn.output_logprobs))
         self.weight_versions.append(turn.weight_version)
         self.last_turn = index
         self.finish_reason = turn.finish_reason

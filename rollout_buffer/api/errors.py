@@ -84,9 +84,14 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._refuse(send)
-                return
+            if name == b"content-length" and value.isdigit():
+                if int(value) > self.max_bytes:
+                    await self._refuse(send)
+                    return
+                if b"transfer-encoding" not in (n for n, _ in scope["headers"]):
+                    # the HTTP parser delivers exactly content-length bytes: nothing to count
+                    await self.app(scope, receive, send)
+                    return
         received = 0
         response_started = False
 

@@ -65,6 +65,7 @@ class Store:
                    **{name: getattr(handover_lua, name) for name in handover_lua.__all__}}
         self.scripts = {name: client.register_script(source) for name, source in sources.items()}
         self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
+        self._write_keys: dict[str, list[str]] = {}
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = 128, *, cluster: bool = False,
@@ -197,12 +198,16 @@ class Store:
         if blob is None:
             blob = pack_record({**record, "run_id": run_id})
         epoch = record.get("epoch")
-        write_keys = [
-            keys.records(run_id), keys.pending(run_id), keys.ready(run_id), keys.stats(run_id),
-            keys.since(run_id), keys.wake(run_id), keys.skip(run_id), keys.closed(run_id),
-            keys.run_meta(run_id), keys.since_groups(run_id), keys.uids(run_id), keys.gsize(run_id),
-            keys.members(run_id), keys.group_version(run_id), keys.group_generation(run_id),
-        ]
+        write_keys = self._write_keys.get(run_id)
+        if write_keys is None:  # the same 15 keys for every write of a run: built once per run
+            if len(self._write_keys) >= 64:
+                self._write_keys.clear()
+            write_keys = self._write_keys[run_id] = [
+                keys.records(run_id), keys.pending(run_id), keys.ready(run_id), keys.stats(run_id),
+                keys.since(run_id), keys.wake(run_id), keys.skip(run_id), keys.closed(run_id),
+                keys.run_meta(run_id), keys.since_groups(run_id), keys.uids(run_id), keys.gsize(run_id),
+                keys.members(run_id), keys.group_version(run_id), keys.group_generation(run_id),
+            ]
         version = record_version(record)
         generation = record.get("generation")
         args = [

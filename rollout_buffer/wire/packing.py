@@ -73,17 +73,15 @@ def pack_record(record: dict[str, Any]) -> bytes:
     chunks: list[bytes] = []
     if turns is not None:
         turn_meta: list[dict[str, Any]] = []
-        prefix: np.ndarray | None = None
+        previous: tuple[Any, Any] | None = None  # the last turn's prompt and output ids, as given
         for turn in turns:
             (prompt_values, output_values, logprobs, finish_reason, weight_version, spans, calls, experts,
              experts_start, top_p_ids, top_p_offsets) = _turn_values(turn)
             try:
-                prompt, output = token_array(prompt_values), token_array(output_values)
+                stored_prompt, output, extends = _turn_ids(turn, prompt_values, output_values, previous)
             except OverflowError as exc:
                 raise PackingError(f"token id out of int32 range: {exc}") from exc
-            extends = (prefix is not None and len(prefix) > 0 and len(prompt) >= len(prefix)
-                       and np.array_equal(prompt[:len(prefix)], prefix))
-            stored_prompt = prompt[len(prefix):] if extends and prefix is not None else prompt
+            previous = (prompt_values, output_values)
             meta: dict[str, Any] = {"ext": extends, "p": len(stored_prompt), "o": len(output),
                                     "finish_reason": finish_reason, "weight_version": weight_version}
             if spans is not None:
@@ -103,10 +101,30 @@ def pack_record(record: dict[str, Any]) -> bytes:
                 meta["calls"] = [dict(call) for call in calls]
             chunks.extend(_pack_replay(meta, experts, experts_start, top_p_ids, top_p_offsets, len(output)))
             turn_meta.append(meta)
-            prefix = np.concatenate([prompt, output])
         header["_turns"] = turn_meta
     head = orjson.dumps(header)
     return b"".join([MAGIC, _HEADER_LEN.pack(len(head)), head, *chunks])
+
+
+def _turn_ids(turn: Any, prompt_values: Any, output_values: Any,
+              previous: tuple[Any, Any] | None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A turn's prompt ids to store, its output ids, and whether the prompt extends the last turn's (then
+    only the new tail is stored)."""
+    checked = getattr(turn, "ids_checked", False)  # int32 arrays the parser range-checked already
+    output = output_values if checked else token_array(output_values)
+    if previous is not None and type(prompt_values) is type(previous[0]) is type(previous[1]) is list:
+        # as lists: a C comparison (often of the very same objects), and only the new tail becomes an array
+        n, m = len(previous[0]), len(previous[1])
+        if n + m and prompt_values[:n] == previous[0] and prompt_values[n:n + m] == previous[1]:
+            return token_array(prompt_values[n + m:]), output, True
+        return token_array(prompt_values), output, False
+    prompt = prompt_values if checked else token_array(prompt_values)
+    if previous is None:
+        return prompt, output, False  # below: the previous turn's ids were checked as that turn's own
+    prefix = np.concatenate([np.asarray(previous[0], dtype="<i4"), np.asarray(previous[1], dtype="<i4")])
+    if len(prefix) and len(prompt) >= len(prefix) and np.array_equal(prompt[:len(prefix)], prefix):
+        return prompt[len(prefix):], output, True
+    return prompt, output, False
 
 
 def _int32(values: Any, what: str) -> np.ndarray:
@@ -187,8 +205,6 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
     """Validates a packed record's arrays without unpacking them: sizes add up to the blob, token ids are
     non-negative, logprobs are finite or -inf. Vectorised, so a batch of thousands of tokens costs
     microseconds."""
-    import numpy as np
-
     metas = header.get("_turns")
     if metas is None:
         if offset != len(blob):
@@ -218,7 +234,7 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
             raise PackingError(f"turn {i}: negative token id")
         if width:
             logprobs = np.frombuffer(view[offset + 4 * (p + o) : end], dtype="<f4" if width == 4 else "<f8")
-            if np.isnan(logprobs).any() or np.isposinf(logprobs).any():
+            if not (logprobs < np.inf).all():  # NaN and +inf both fail `<`
                 raise PackingError(f"turn {i}: output_logprobs must be finite numbers (or -inf)")
         offset = end
         if "tp" in meta:

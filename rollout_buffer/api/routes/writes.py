@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from rollout_buffer.api.bodies import json_body, parse_body_with
 from rollout_buffer.api.errors import error_response
+from rollout_buffer.api.responses import OrjsonResponse
 from rollout_buffer.api.state import AppState, state_of
 from rollout_buffer.store.store import WriteOutcome
 from rollout_buffer.wire.packed_batch import CONTENT_TYPE, PackedBatchError, decode_batch, stamped_blob
@@ -41,11 +42,16 @@ def stamped(parsed: ParsedRecord) -> ParsedRecord:
 
 async def superseded_answer(state: AppState, run_id: str) -> Any:
     """409 naming the successor of a superseded run (its data is rolled out again there)."""
+    status, body = await _superseded(state, run_id)
+    return OrjsonResponse(body, status_code=status)
+
+
+async def _superseded(state: AppState, run_id: str) -> tuple[int, dict[str, Any]]:
     meta = await state.store.run_meta(run_id)
     successor = meta.get("superseded_by", "")
-    return error_response(409, f"run {run_id!r} was superseded by {successor!r} "
-                               f"({meta.get('superseded_reason', 'a new generation')}); use that run",
-                          extra={"superseded_by": successor})
+    return _refusal(409, f"run {run_id!r} was superseded by {successor!r} "
+                         f"({meta.get('superseded_reason', 'a new generation')}); use that run",
+                    superseded_by=successor)
 
 
 async def missing_run_answer(state: AppState, run_id: str) -> Any:
@@ -56,30 +62,43 @@ async def missing_run_answer(state: AppState, run_id: str) -> Any:
     return error_response(404, f"unknown run_id {run_id!r}")
 
 
-async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
-    parsed = await parse_body_with(request, parse_record)
+async def write_one(state: AppState, parsed: ParsedRecord, pinned_run_id: str | None) -> tuple[int, dict[str, Any]]:
+    """One `/buffer/write` of a parsed record: `(status, answer)`. Shared by the routes below and the lean
+    ASGI path (`rollout_buffer.api.fast_write`), which serves the same URLs without the framework's
+    per-request work."""
     record = parsed.record
-    state = state_of(request)
     if pinned_run_id is not None and record.run_id not in (None, pinned_run_id):
-        return error_response(422, f"record names run {record.run_id!r}, the URL names run {pinned_run_id!r}")
+        return _refusal(422, f"record names run {record.run_id!r}, the URL names run {pinned_run_id!r}")
     run_id = pinned_run_id or record.run_id or await state.store.active_run()
     if run_id is None:
-        return error_response(409, "no active run: start one with POST /start_rollout "
-                                   "(or give the record a run_id)")
+        return _refusal(409, "no active run: start one with POST /start_rollout (or give the record a run_id)")
     outcome = await state.store.write_record(run_id, stamped(parsed).to_store())
     if outcome.reason == "unknown_run":  # checked inside the write script: no extra round trip
-        return error_response(404, f"unknown run_id {run_id!r}")
+        return _refusal(404, f"unknown run_id {run_id!r}")
     if outcome.reason == "run_superseded":
-        return await superseded_answer(state, run_id)
+        return await _superseded(state, run_id)
     data = {"uid": record.uid, "run_id": run_id, "outcome": outcome.outcome}
     if outcome.outcome == "dropped":
         if outcome.reason == "skipped_group":
-            return {"success": False, "message": f"the group of instance {record.instance_id} was trained already "
-                                                 "(skipped in this run); not stored (counted)", "data": data}
-        return error_response(409, f"record {record.uid} not stored: {outcome.reason.replace('_', ' ')} "
-                                   f"(group of instance {record.instance_id} is closed or full)")
+            return 200, {"success": False, "message": f"the group of instance {record.instance_id} was trained "
+                                                      "already (skipped in this run); not stored (counted)",
+                         "data": data}
+        return _refusal(409, f"record {record.uid} not stored: {outcome.reason.replace('_', ' ')} "
+                             f"(group of instance {record.instance_id} is closed or full)")
     message = "already stored (duplicate uid)" if outcome.outcome == "duplicate" else "stored"
-    return {"success": True, "message": message, "data": {**data, "group_completed": outcome.outcome == "completed"}}
+    return 200, {"success": True, "message": message,
+                 "data": {**data, "group_completed": outcome.outcome == "completed"}}
+
+
+def _refusal(status: int, message: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    """The body `error_response` would send (`{"success": false, "message": ...}`)."""
+    return status, {"success": False, "message": message, **extra}
+
+
+async def _write_one(request: Request, pinned_run_id: str | None) -> Any:
+    parsed = await parse_body_with(request, parse_record)
+    status, answer = await write_one(state_of(request), parsed, pinned_run_id)
+    return answer if status == 200 else OrjsonResponse(answer, status_code=status)
 
 
 @router.post("/buffer/write", openapi_extra=json_body(TrajectoryRecord))
