@@ -46,6 +46,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
     rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
     rb:{R}:replica_barrier      string written before WAIT (--redis-wait-replicas); expires after a minute
+    {rb:runs}:replica_barrier   the same, in the slot of rb:runs (a run created is in the index on N replicas)
     rb:{R}:sessions             hash   session id -> gateway session (JSON: instance, epoch, key digest, metadata)
     rb:{R}:session_status       hash   session id -> open | finished | failed
     rb:{R}:session_open         zset   session id -> last activity (unix time) of open sessions (idle timeout)
@@ -185,6 +186,11 @@ def run_keys(run_id: str) -> list[str]:
 
 def replica_barrier(run_id: str) -> str:
     return f"{_tag(run_id)}:replica_barrier"
+
+
+def replica_barrier_of(key: str) -> str:
+    """The barrier key in the slot of `key`, a key outside any run (its whole name is its hash tag)."""
+    return f"{{{key}}}:replica_barrier"
 
 
 def remote(rollout_id: str) -> str:
