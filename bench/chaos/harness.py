@@ -1,10 +1,11 @@
 """One chaos run: rounds of a math run trained by a real trainer while the scheduler breaks things.
 
-Each round is a native math run (several epochs, repeats) rolled out by the buffer's worker process against
+Each round is a native math run (several epochs, repeats) rolled out by the buffer's worker processes against
 the test engine and trained by `bench.chaos.trainer` through the chaos proxy, restarted from its checkpoint
 whenever it is killed or dies; beside it, a writer acknowledged by the API and a leased reader stream an
-externally written run. Rounds start until `seconds` are spent; then faults stop, the last round finishes,
-and `bench.chaos.checker` reads the whole history.
+externally written run. Once a round's trainer is done the next round starts at once (the finished round's
+writer, reader and agents finish in the background); rounds start until `seconds` are spent; then faults
+stop, the last round finishes, and `bench.chaos.checker` reads the whole history.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.support.runtime_helpers import arithmetic_rows
 # failover (a replica noticing its primary silent, then elected) plus the rejoin fit in about 2 s
 CLUSTER_NODE_TIMEOUT_MS = 500
 MIN_STEPS_BEFORE_KILL = 0  # a life may be killed in its first step (0) or only after N checkpoints
+ARMED_GAP = 0.6  # proxy and engine faults wait for a request to take them: armed at 0.6x the gaps
 WARM_UP_S = 120.0  # faults start at the first trained step, or after this long
 
 
@@ -204,7 +206,6 @@ def run_chaos(cfg: ChaosConfig) -> Report:
     if cfg.cluster:
         cluster = LocalRedisCluster(cfg.base / "cluster", replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS).start()
     services = Services(cfg.base, cluster=cluster, wait_replicas=cfg.wait_replicas, retain_runs=cfg.retain_runs)
-    rounds: list[RoundHistory] = []
     current: dict[str, Any] = {}
     try:
         with services.running():
@@ -214,47 +215,77 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                 version=lambda: current["lives"].step() + 1 if current else 1)
             if cfg.kinds is not None:
                 injectors = {kind: inject for kind, inject in injectors.items() if kind in cfg.kinds}
-            scheduler = FaultScheduler(cfg.seed, injectors, min_gap_s=cfg.min_gap_s, max_gap_s=cfg.max_gap_s)
+            armed = {kind: (cfg.min_gap_s * ARMED_GAP, cfg.max_gap_s * ARMED_GAP) for kind in injectors
+                     if kind.startswith(("proxy_", "engine_"))}
+            scheduler = FaultScheduler(cfg.seed, injectors, min_gap_s=cfg.min_gap_s, max_gap_s=cfg.max_gap_s,
+                                       gap_s=armed)
             clock = FaultClock(scheduler, cfg.seconds, cfg.finish_s)
-            round_no = 0
-            while not clock.over():
-                workdir = cfg.base / f"round-{round_no}"
-                workdir.mkdir()
-                prompt_file = write_jsonl(workdir / "math.jsonl", arithmetic_rows(cfg.prompts, round=round_no))
-                config_path = workdir / "trainer.json"
-                config_path.write_text(json.dumps(_trainer_config(cfg, services, round_no, prompt_file)))
-                assert services.forks is not None
-                lives = TrainerLives(workdir, config_path, services.forks)
-                writer, reader = _external_stream(services, workdir, round_no, cfg.external_records)
-                agents = _gateway_agents(cfg, services, round_no) if cfg.gateway else None
-                current.update(lives=lives, run_id=f"chaos-{cfg.seed}-{round_no}")
-                while not lives.done() and time.monotonic() < clock.finish_by():
-                    clock.tick(trained=(workdir / STEPS).exists())
-                    lives.tick()
-                    services.supervise()
-                    services.sample_memory(clock.elapsed())
-                    time.sleep(0.2)
-                while len(writer.acknowledged) < len(writer.records) and time.monotonic() < clock.finish_by():
-                    time.sleep(0.1)
-                reader_done = _drain(reader, writer, clock.finish_by())
-                if agents is not None:
-                    agents.done.wait(max(0.0, clock.finish_by() - time.monotonic()))
-                    if not agents.stop_reading(max(1.0, clock.finish_by() - time.monotonic())):
-                        agents.diagnosis = _diagnosis(services, agents.run_id)
-                if not lives.done():
-                    lives.kill(force=True)
-                    lives.crashes.append(_diagnosis(services, f"chaos-{cfg.seed}-{round_no}"))
-                rounds.append(RoundHistory(workdir=workdir, expected={(e, r["instance_id"]) for e in range(cfg.epochs)
-                                                                      for r in arithmetic_rows(cfg.prompts)},
-                                           lives=lives.lives, trainer_kills=lives.kills, crashes=lives.crashes,
-                                           finished=lives.done(), acknowledged=set(writer.acknowledged),
-                                           read=reader.uids(), reader_done=reader_done, agents=agents))
-                round_no += 1
+            rounds = [_start_round(cfg, services, 0)]
+            while time.monotonic() < clock.finish_by():
+                latest = rounds[-1]
+                current.update(lives=latest.lives, run_id=f"chaos-{cfg.seed}-{latest.no}")
+                clock.tick(trained=(rounds[0].workdir / STEPS).exists())
+                latest.lives.tick()
+                services.supervise()
+                services.sample_memory(clock.elapsed())
+                if latest.lives.done():
+                    if clock.over():
+                        break
+                    # the trainer goes on at once; the round's writer, reader and agents finish in the background
+                    rounds.append(_start_round(cfg, services, latest.no + 1))
+                    continue
+                time.sleep(0.2)
             clock.stop()
-            return check(cfg.seed, clock.elapsed(), scheduler, services, rounds, fault_s=cfg.seconds)
+            histories = [_finish_round(cfg, services, r, clock.finish_by()) for r in rounds]
+            return check(cfg.seed, clock.elapsed(), scheduler, services, histories, fault_s=cfg.seconds)
     finally:
         if cluster is not None:
             cluster.stop()
+
+
+@dataclass
+class Round:
+    """One round in flight: its trainer, its externally written run and its gateway agents."""
+
+    no: int
+    workdir: Path
+    lives: TrainerLives
+    writer: RetryingWriter
+    reader: LeasedReader
+    agents: Any
+
+
+def _start_round(cfg: ChaosConfig, services: Services, round_no: int) -> Round:
+    workdir = cfg.base / f"round-{round_no}"
+    workdir.mkdir()
+    prompt_file = write_jsonl(workdir / "math.jsonl", arithmetic_rows(cfg.prompts, round=round_no))
+    config_path = workdir / "trainer.json"
+    config_path.write_text(json.dumps(_trainer_config(cfg, services, round_no, prompt_file)))
+    assert services.forks is not None
+    lives = TrainerLives(workdir, config_path, services.forks)
+    writer, reader = _external_stream(services, workdir, round_no, cfg.external_records)
+    agents = _gateway_agents(cfg, services, round_no) if cfg.gateway else None
+    return Round(round_no, workdir, lives, writer, reader, agents)
+
+
+def _finish_round(cfg: ChaosConfig, services: Services, rnd: Round, finish_by: float) -> RoundHistory:
+    """Wait (until `finish_by`) for what the round's writer, reader and agents have left, then its history."""
+    writer, reader, agents, lives = rnd.writer, rnd.reader, rnd.agents, rnd.lives
+    while len(writer.acknowledged) < len(writer.records) and time.monotonic() < finish_by:
+        time.sleep(0.1)
+    reader_done = _drain(reader, writer, finish_by)
+    if agents is not None:
+        agents.done.wait(max(0.0, finish_by - time.monotonic()))
+        if not agents.stop_reading(max(1.0, finish_by - time.monotonic())):
+            agents.diagnosis = _diagnosis(services, agents.run_id)
+    if not lives.done():
+        lives.kill(force=True)
+        lives.crashes.append(_diagnosis(services, f"chaos-{cfg.seed}-{rnd.no}"))
+    return RoundHistory(workdir=rnd.workdir, expected={(e, r["instance_id"]) for e in range(cfg.epochs)
+                                                       for r in arithmetic_rows(cfg.prompts)},
+                        lives=lives.lives, trainer_kills=lives.kills, crashes=lives.crashes, finished=lives.done(),
+                        acknowledged=set(writer.acknowledged), read=reader.uids(), reader_done=reader_done,
+                        agents=agents)
 
 
 def _gateway_agents(cfg: ChaosConfig, services: Services, round_no: int) -> Any:

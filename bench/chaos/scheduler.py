@@ -30,6 +30,9 @@ class FaultScheduler:
     min_gap_s: float = 0.8
     max_gap_s: float = 3.6
     retry_s: float = 0.2
+    # kinds with gaps of their own: faults armed for the next request that can take them (proxy, engine)
+    # land some time after they are armed, so they are armed more often to land about as often as the rest
+    gap_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     injected: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
@@ -40,8 +43,9 @@ class FaultScheduler:
     def gaps(self, kind: str) -> Iterator[float]:
         """The seeded gaps of one kind, forever."""
         rng = random.Random(f"{self.seed}/{kind}")
+        low, high = self.gap_s.get(kind, (self.min_gap_s, self.max_gap_s))
         while True:
-            yield rng.uniform(self.min_gap_s, self.max_gap_s)
+            yield rng.uniform(low, high)
 
     def run(self) -> None:
         """Every kind on its own thread until `stop` is set; returns once they all stopped."""

@@ -1,6 +1,8 @@
-"""What the chaos run runs and breaks: the test engine, the buffer server (API, its worker process, its
-embedded `redis-server`, or a Redis Cluster with replicas), the proxy in front of it, and the injectors
-that break each of them (`injectors()`: fault kind -> callable returning whether the fault landed).
+"""What the chaos run runs and breaks: the test engine, the buffer (an API process with no rollouts of its
+own, `WORKERS` worker processes, all forked from `bench.chaos.forkserver`; the API's embedded
+`redis-server`, or a Redis Cluster with replicas), the fault proxy in front of it, and the injectors that
+break each of them (`injectors()`: fault kind -> callable returning whether the fault landed). `supervise`
+plays the process supervisor: a worker or API that exited on its own is started again, and counted.
 """
 
 from __future__ import annotations

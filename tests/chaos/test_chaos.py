@@ -9,10 +9,10 @@ a group stalled for the default 600 s job claim after its worker was SIGKILLed (
 server with `--task-lease-s 6`, as an operator with preemptible workers should); seed 3 on the Redis
 Cluster, every gateway turn failed (the session store queued a Lua script on a cluster pipeline, which
 redis-py refuses), so no agent finished a session. The fast restarts of the fork server
-(`bench/chaos/forkserver.py`) found two more: a new API's embedded Redis losing its socket file to the old server still shutting down (regression test:
-`tests/store/test_embedded_restart.py`) and an API restarted every few seconds never answering a
-`/start_rollout` because each life checked the run's tokenizer again in a child process (regression test:
-`tests/runtime/test_worker_processes.py`).
+(`bench/chaos/forkserver.py`) found two more: a new API's embedded Redis losing its socket file to the
+old server still shutting down (regression test: `tests/store/test_embedded_restart.py`) and an API
+restarted every few seconds never answering a `/start_rollout` because each life checked the run's
+tokenizer again in a child process (regression test: `tests/runtime/test_worker_processes.py`).
 
 Rate: every kind runs on its own thread with seeded gaps of 0.8-3.6 s (the 10-minute run's rate, about one
 fault of each kind every 2.2 s, 11 kinds at once), for 25 s once the trainer's first step is trained; the
