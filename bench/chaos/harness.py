@@ -37,7 +37,6 @@ from tests.support.runtime_helpers import arithmetic_rows
 
 # failover (a replica noticing its primary silent, then elected) plus the rejoin fit in about 2 s
 CLUSTER_NODE_TIMEOUT_MS = 500
-MIN_STEPS_BEFORE_KILL = 0  # a life may be killed in its first step (0) or only after N checkpoints
 ARMED_GAP = 0.6  # proxy and engine faults wait for a request to take them: armed at 0.6x the gaps
 WARM_UP_S = 120.0  # faults start at the first trained step, or after this long
 
@@ -74,6 +73,7 @@ class TrainerLives:
     forks: ForkServer
     pid: int | None = None
     killed: bool = False
+    killed_at_step: int = -1  # the checkpoint the trainer was at when last killed
     lives: int = 0
     kills: int = 0
     crashes: list[str] = field(default_factory=list)
@@ -104,14 +104,15 @@ class TrainerLives:
             return 0
 
     def mid_step(self) -> bool:
-        """Whether the running life is in a step after its first: it has checkpointed at least once, as a
-        preempted trainer that ran a while has (a life killed before its first checkpoint trains nothing; a
-        schedule that did that every time would stop the run, which no real preemption rate does)."""
+        """Whether the running life is mid-step, and the trainer checkpointed since the last kill. A
+        schedule that killed every life before its first checkpoint would stop the run for good (each life
+        restarts the run's generation, so the groups it waits for are rolled out again from scratch), which
+        no real preemption rate does: a trainer is never killed twice at the same checkpoint."""
         try:
-            pid, step, first = (self.workdir / IN_STEP).read_text().split()
+            pid, step, _first = (self.workdir / IN_STEP).read_text().split()
         except (OSError, ValueError):
             return False
-        return pid == str(self.pid) and int(step) >= int(first) + MIN_STEPS_BEFORE_KILL
+        return pid == str(self.pid) and int(step) > self.killed_at_step
 
     def kill(self, force: bool = False) -> bool:
         """SIGKILL the trainer mid-step (False while no life runs or the running one is in its first step,
@@ -121,6 +122,7 @@ class TrainerLives:
                 return False
             os.kill(self.pid, signal.SIGKILL)
             self.killed = True
+            self.killed_at_step = self.step()
             wait_for(lambda: not alive(self.pid), 30, "the killed trainer gone")  # type: ignore[arg-type]
             self.kills += 1
         if not force:
