@@ -38,6 +38,7 @@ from tests.support.runtime_helpers import arithmetic_rows
 # failover (a replica noticing its primary silent, then elected) plus the rejoin fit in about 2 s
 CLUSTER_NODE_TIMEOUT_MS = 500
 ARMED_GAP = 0.6  # proxy and engine faults wait for a request to take them: armed at 0.6x the gaps
+STUCK_S = 10.0  # a trainer life in one step this long may be killed even at the checkpoint of the last kill
 WARM_UP_S = 120.0  # faults start at the first trained step, or after this long
 
 
@@ -107,12 +108,16 @@ class TrainerLives:
         """Whether the running life is mid-step, and the trainer checkpointed since the last kill. A
         schedule that killed every life before its first checkpoint would stop the run for good (each life
         restarts the run's generation, so the groups it waits for are rolled out again from scratch), which
-        no real preemption rate does: a trainer is never killed twice at the same checkpoint."""
+        no real preemption rate does: a trainer is never killed twice at the same checkpoint unless the
+        life has been stuck in its step for `STUCK_S`."""
+        path = self.workdir / IN_STEP
         try:
-            pid, step, _first = (self.workdir / IN_STEP).read_text().split()
+            pid, step, _first = path.read_text().split()
+            stuck = time.time() - path.stat().st_mtime > STUCK_S
         except (OSError, ValueError):
             return False
-        return pid == str(self.pid) and int(step) > self.killed_at_step
+        # a life stuck in one step that long is killed all the same: its successor starts a new generation
+        return pid == str(self.pid) and (int(step) > self.killed_at_step or stuck)
 
     def kill(self, force: bool = False) -> bool:
         """SIGKILL the trainer mid-step (False while no life runs or the running one is in its first step,
