@@ -93,6 +93,10 @@ class Store:
         """Record a run; returns False when it already exists (its stored settings are kept). `extra_meta`:
         more fields of the run's meta (its staleness and filter policy, read by the scripts)."""
         created = await self.redis.hsetnx(keys.RUNS, run_id, orjson.dumps(config))
+        # the index and the meta are two writes (two slots on a cluster): a creation cut short between them
+        # (its API killed) left an indexed run without meta, which no worker would serve; it is completed now
+        if not created and not await self.redis.exists(keys.run_meta(run_id)):
+            created = True
         if created:
             await self.redis.hset(
                 keys.run_meta(run_id),
