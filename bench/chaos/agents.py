@@ -87,13 +87,13 @@ class GatewayAgents:
         session = self._post(client, f"/runs/{self.run_id}/sessions", {"instance_id": instance_id, "epoch": 0},
                              "open session")
         # through the chaos proxy (the buffer names its own address): drops and cut answers reach the agent
-        agent = openai.OpenAI(base_url=f"{self.url}/v1", api_key=session["api_key"], max_retries=30,
+        agent = openai.OpenAI(base_url=f"{self.url}/v1", api_key=session["api_key"], max_retries=5,
                               timeout=30.0)
         messages: list[dict[str, Any]] = []
         for question in QUESTIONS:
             messages.append({"role": "user", "content": question.format(a=i, b=2 * i + 1)})
             try:
-                completion = agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+                completion = self._chat(agent, messages)
             except openai.NotFoundError:
                 # idle past --session-timeout-s while the buffer or the engine was down: the buffer finished
                 # it as failed (its record fills the group's slot), as it would for an agent that vanished
@@ -104,6 +104,19 @@ class GatewayAgents:
         self._post(client, f"/sessions/{session['session_id']}/finish", {"reward": float(i % 2)}, "finish",
                    headers={"Authorization": f"Bearer {session['api_key']}"})
         self.finished.append(session["session_id"])
+
+    def _chat(self, agent: openai.OpenAI, messages: list[dict[str, Any]]) -> Any:
+        """One turn, asked again (the same messages: the gateway answers a retried turn with the stored one)
+        for as long as the buffer is unreachable, beyond the SDK's own retries."""
+        deadline = time.monotonic() + self.deadline_s
+        while True:
+            try:
+                return agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+            except (openai.APIConnectionError, openai.InternalServerError):
+                if time.monotonic() > deadline:
+                    raise
+                self.retries["chat"] += 1
+                time.sleep(0.2)
 
     def stop_reading(self, timeout_s: float) -> bool:
         """Once the agents are done, let the reader take what is left, then stop it; whether it took all."""
