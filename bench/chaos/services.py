@@ -190,7 +190,8 @@ class Services:
         """Start the API and wait until it serves; one that exits while starting is started again, as its
         supervisor would (counted: `api_start_failed`)."""
         assert self.api is not None
-        for _ in range(5):
+        deadline = time.monotonic() + 120  # on a cluster, the node --redis-url names may be failing over
+        while time.monotonic() < deadline:
             self.api.start()
             self._restarted("api")
             try:
@@ -200,6 +201,7 @@ class Services:
                 if alive(self.api.pid):  # type: ignore[arg-type]
                     raise
                 self._restarted("api_start_failed")
+                time.sleep(0.2)
         raise RuntimeError(f"the API did not start: {self.api.log.read_text(errors='replace')[-3000:]}")
 
     def supervise(self) -> None:
