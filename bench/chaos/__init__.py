@@ -2,6 +2,7 @@
 reads the whole history (`python -m bench.chaos`, README "Delivery under faults").
 
 `scheduler` (which fault when, from a seed), `proxy` (the network between trainer and buffer), `services`
-(the processes under test and their injectors), `trainer` (the trainer process), `harness` (rounds),
+(the processes under test and their injectors), `forkserver` (how the killed processes start again),
+`trainer` (the trainer process), `agents` (gateway sessions), `harness` (rounds),
 `checker` (the proof), `failover` (a Redis Cluster primary killed under load).
 """

@@ -41,6 +41,8 @@ class GatewayAgents:
     errors: list[str] = field(default_factory=list)
     reader: LeasedReader | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    turns_per_session: int = len(QUESTIONS)
+    diagnosis: str = ""  # the buffer's view of the run when the reader did not get every session's record
 
     def _post(self, client: httpx.Client, path: str, body: dict[str, Any], what: str,
               headers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -84,13 +86,14 @@ class GatewayAgents:
     def _session(self, client: httpx.Client, instance_id: str, i: int) -> None:
         session = self._post(client, f"/runs/{self.run_id}/sessions", {"instance_id": instance_id, "epoch": 0},
                              "open session")
-        agent = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=30,
+        # through the chaos proxy (the buffer names its own address): drops and cut answers reach the agent
+        agent = openai.OpenAI(base_url=f"{self.url}/v1", api_key=session["api_key"], max_retries=5,
                               timeout=30.0)
         messages: list[dict[str, Any]] = []
         for question in QUESTIONS:
             messages.append({"role": "user", "content": question.format(a=i, b=2 * i + 1)})
             try:
-                completion = agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+                completion = self._chat(agent, messages)
             except openai.NotFoundError:
                 # idle past --session-timeout-s while the buffer or the engine was down: the buffer finished
                 # it as failed (its record fills the group's slot), as it would for an agent that vanished
@@ -102,11 +105,29 @@ class GatewayAgents:
                    headers={"Authorization": f"Bearer {session['api_key']}"})
         self.finished.append(session["session_id"])
 
-    def stop_reading(self, timeout_s: float) -> None:
-        """Once the agents are done, let the reader take what is left, then stop it."""
+    def _chat(self, agent: openai.OpenAI, messages: list[dict[str, Any]]) -> Any:
+        """One turn, asked again (the same messages: the gateway answers a retried turn with the stored one)
+        for as long as the buffer is unreachable, beyond the SDK's own retries."""
+        deadline = time.monotonic() + self.deadline_s
+        while True:
+            try:
+                return agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+            except (openai.APIConnectionError, openai.InternalServerError):
+                if time.monotonic() > deadline:
+                    raise
+                self.retries["chat"] += 1
+                time.sleep(0.2)
+
+    def stop_reading(self, timeout_s: float) -> bool:
+        """Once the agents are done, let the reader take what is left, then stop it; whether it took all."""
         assert self.reader is not None
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not (self.done.is_set() and set(self.finished + self.closed) <= set(
-                self.reader.uids())):
+
+        def complete() -> bool:
+            assert self.reader is not None
+            return self.done.is_set() and set(self.finished + self.closed) <= set(self.reader.uids())
+
+        while time.monotonic() < deadline and not complete():
             time.sleep(0.1)
         self.reader.stop.set()
+        return complete()

@@ -26,7 +26,8 @@ GROWTH_LIMIT = 1.5  # the run's last third may use at most this much more than i
 GROWTH_SLACK = 64 * 2**20
 
 VIOLATIONS = ("trained_twice", "group_lost", "round_unfinished", "not_token_exact", "ack_write_lost",
-              "read_twice", "session_lost", "session_read_twice", "session_not_token_exact", "agent_gave_up",
+              "read_twice", "session_lost", "session_read_twice", "session_not_token_exact", "turn_recorded_twice",
+              "agent_gave_up",
               "api_rss", "redis_memory", "harness_error")
 
 
@@ -85,19 +86,23 @@ class Report:
         return "\n".join(lines)
 
 
-def _memory(services: Services, seconds: float, violations: Counter[str], examples: dict[str, list[str]]
+def _memory(services: Services, fault_s: float, violations: Counter[str], examples: dict[str, list[str]]
             ) -> dict[str, float]:
+    """Peaks over the whole run; growth over the fault phase (its first third against its last), where
+    like is compared with like: an API restarted every few seconds, not the long-lived one of the finish."""
     samples = services.memory
+    phase = [s for s in samples if s[0] <= fault_s] or samples
     if not samples:
         violations["harness_error"] += 1
         examples.setdefault("harness_error", []).append("no memory sample taken")
         return {}
-    third = max(1, len(samples) // 3)
+    third = max(1, len(phase) // 3)
     report = {}
     for index, (name, limit) in enumerate((("api_rss", API_RSS_LIMIT), ("redis_memory", REDIS_MEMORY_LIMIT)), 1):
         values = [s[index] for s in samples]
+        in_phase = [s[index] for s in phase]
         # medians: a restarted API peaks for a moment while it starts (tokenizer, template check), then settles
-        first, last = statistics.median(values[:third]), statistics.median(values[-third:])
+        first, last = statistics.median(in_phase[:third]), statistics.median(in_phase[-third:])
         report[f"{name} peak"] = max(values) / 2**20
         report[f"{name} median, last third"] = last / 2**20
         if max(values) > limit or last > GROWTH_LIMIT * first + GROWTH_SLACK:
@@ -108,7 +113,7 @@ def _memory(services: Services, seconds: float, violations: Counter[str], exampl
 
 
 def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Services,
-          rounds: list[RoundHistory]) -> Report:
+          rounds: list[RoundHistory], fault_s: float | None = None) -> Report:
     violations: Counter[str] = Counter()
     examples: dict[str, list[str]] = {}
 
@@ -137,17 +142,24 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
         if history.agents is not None:
             _check_sessions(history, flag)
     flag("harness_error", len(scheduler.errors), "; ".join(scheduler.errors[:1]))
-    memory = _memory(services, seconds, violations, examples)
+    memory = _memory(services, seconds if fault_s is None else fault_s, violations, examples)
     faults = _faults(scheduler, services, rounds)
     assert services.proxy is not None
     counts = {"rounds": len(rounds), "trainer lives": sum(h.lives for h in rounds),
               "trainer crashes (restarted)": sum(len(h.crashes) for h in rounds),
+              "API starts that failed (started again)": services.restarts.get("api_start_failed", 0),
+              "worker exits on its own (started again)": services.restarts.get("worker_exited", 0),
+              "API exits on its own (started again)": services.restarts.get("api_exited", 0),
               "requests through the proxy": services.proxy.requests,
               "engine requests": int(services.engine.stats_dict()["requests"]),
               "trainer steps (all lives)": steps, "samples trained (all lives)": sample_count,
               "groups trained (checkpointed)": trained_groups,
               "external writes acknowledged": sum(len(h.acknowledged) for h in rounds),
               "external records read": sum(sum(h.read.values()) for h in rounds)}
+    for kind in ("api_kill", "redis_kill", "primary_kill", "worker_kill"):
+        took = [t for _, k, landed, t in scheduler.history if k == kind and landed]
+        if took:  # the kill and the wait until the killed part serves again
+            counts[f"{kind}: mean time to serve again (ms)"] = int(1000 * statistics.mean(took))
     agents = [h.agents for h in rounds if h.agents is not None]
     if agents:
         counts.update({"gateway sessions finished": sum(len(a.finished) for a in agents),
@@ -176,11 +188,16 @@ def _check_sessions(history: RoundHistory, flag: Any) -> None:
     agents, name = history.agents, history.workdir.name
     read = agents.reader.uids()
     lost = set(agents.finished + agents.closed) - set(read)
-    flag("session_lost", len(lost), f"{name}: finished or closed, never read: {sorted(lost)[:3]}")
+    flag("session_lost", len(lost), f"{name}: finished or closed, never read: {sorted(lost)[:3]} "
+                                    f"{agents.diagnosis[:1500]}")
     doubled = [u for u, n in read.items() if n > 1]
     flag("session_read_twice", len(doubled), f"{name}: {doubled[:3]}")
     problems = [p for r in agents.reader.received if r.get("status") != "failed" for p in turn_problems(r)]
     flag("session_not_token_exact", len(problems), f"{name}: {problems[:2]}")
+    # an agent asks `QUESTIONS` turns; a retried turn (its answer cut or dropped) stored again would add one
+    extra = [f"{r.get('uid')}: {len(r.get('turns') or [])} turns" for r in agents.reader.received
+             if len(r.get("turns") or []) > agents.turns_per_session]
+    flag("turn_recorded_twice", len(extra), f"{name}: {extra[:2]}")
     flag("agent_gave_up", len(agents.errors), f"{name}: {agents.errors[:1]}")
     flag("agent_gave_up", int(not agents.done.is_set()), f"{name}: the agents had not finished at the deadline "
                                                           f"(retries: {dict(agents.retries)})")

@@ -1,18 +1,18 @@
 """One chaos run: rounds of a math run trained by a real trainer while the scheduler breaks things.
 
-Each round is a native math run (several epochs, repeats) rolled out by the buffer's worker process against
+Each round is a native math run (several epochs, repeats) rolled out by the buffer's worker processes against
 the test engine and trained by `bench.chaos.trainer` through the chaos proxy, restarted from its checkpoint
 whenever it is killed or dies; beside it, a writer acknowledged by the API and a leased reader stream an
-externally written run. Rounds start until `seconds` are spent; then faults stop, the last round finishes,
-and `bench.chaos.checker` reads the whole history.
+externally written run. Once a round's trainer is done the next round starts at once (the finished round's
+writer, reader and agents finish in the background); rounds start until `seconds` are spent; then faults
+stop, the last round finishes, and `bench.chaos.checker` reads the whole history.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,15 +23,23 @@ from urllib.parse import urlparse
 import httpx
 
 from bench.chaos.checker import Report, RoundHistory, check
+from bench.chaos.forkserver import ForkServer, alive
+from bench.chaos.trainer import IN_STEP, STEPS
 from bench.chaos.scheduler import FaultScheduler
 from bench.chaos.services import Services
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from tests.support.faults import LeasedReader, RetryingWriter, start_daemon
 from tests.support.helpers import make_record, start_run, write_jsonl
+from tests.support.process_tools import wait_for
 from tests.support.redis_cluster import LocalRedisCluster
 from tests.support.runtime_helpers import arithmetic_rows
 
-REPO = Path(__file__).resolve().parents[2]
+
+# failover (a replica noticing its primary silent, then elected) plus the rejoin fit in about 2 s
+CLUSTER_NODE_TIMEOUT_MS = 500
+ARMED_GAP = 0.6  # proxy and engine faults wait for a request to take them: armed at 0.6x the gaps
+STUCK_S = 10.0  # a trainer life in one step this long may be killed even at the checkpoint of the last kill
+WARM_UP_S = 120.0  # faults start at the first trained step, or after this long
 
 
 @dataclass
@@ -42,25 +50,31 @@ class ChaosConfig:
     cluster: bool = False
     wait_replicas: int = 0
     retain_runs: int | None = None
-    prompts: int = 6
-    epochs: int = 3
+    prompts: int = 8
+    epochs: int = 6
     repeats: int = 2
     batch: int = 2  # groups per trainer step
+    train_s: float = 0.4  # a step's training time: the window in which a killed trainer holds a leased batch
     external_records: int = 120
     gateway: bool = True  # agents (OpenAI SDK) through gateway sessions of an external run
     gateway_instances: int = 3
     finish_s: float = 180.0  # after the faults stop, how long the last round may take to finish
-    min_gap_s: float = 0.3  # seeded gaps between faults
-    max_gap_s: float = 1.5
+    min_gap_s: float = 0.8  # seeded gaps between faults of one kind (every kind on its own thread)
+    max_gap_s: float = 3.6
+    kinds: set[str] | None = None  # only these fault kinds (default: every kind), to narrow a failure down
 
 
 @dataclass
 class TrainerLives:
-    """The trainer process of one round, restarted from its checkpoint whenever it exits unfinished."""
+    """The trainer process of one round (a fork-server child), started again from its checkpoint whenever
+    it is killed or exits unfinished."""
 
     workdir: Path
     config_path: Path
-    proc: subprocess.Popen[bytes] | None = None
+    forks: ForkServer
+    pid: int | None = None
+    killed: bool = False
+    killed_at_step: int = -1  # the checkpoint the trainer was at when last killed
     lives: int = 0
     kills: int = 0
     crashes: list[str] = field(default_factory=list)
@@ -72,27 +86,17 @@ class TrainerLives:
     def tick(self) -> None:
         """Start a life if none runs and the round is not done; note how the previous one ended."""
         with self.lock:
-            if self.proc is not None and self.proc.poll() is None:
+            if self.pid is not None and alive(self.pid):
                 return
-            if self.proc is not None and self.proc.returncode not in (0, -signal.SIGKILL):
+            if self.pid is not None and not self.killed and not self.done():
                 log = (self.workdir / f"life-{self.lives}.log").read_text(errors="replace")
-                self.crashes.append(log[-1500:])
+                self.crashes.append(log[-1500:])  # it exited unfinished without being killed
             if self.done():
                 return
             self.lives += 1
-            with open(self.workdir / f"life-{self.lives}.log", "wb") as log_file:
-                self.proc = subprocess.Popen([sys.executable, "-m", "bench.chaos.trainer", str(self.workdir),
-                                              str(self.config_path)], cwd=REPO, stdout=log_file,
-                                             stderr=subprocess.STDOUT)
-
-    def kill(self) -> bool:
-        with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
-                return False
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-            self.kills += 1
-            return True
+            self.killed = False
+            self.pid = self.forks.spawn("trainer", [str(self.workdir), str(self.config_path)],
+                                        self.workdir / f"life-{self.lives}.log")
 
     def step(self) -> int:
         try:
@@ -100,28 +104,94 @@ class TrainerLives:
         except (OSError, ValueError, KeyError):
             return 0
 
+    def mid_step(self) -> bool:
+        """Whether the running life is mid-step, and the trainer checkpointed since the last kill. A
+        schedule that killed every life before its first checkpoint would stop the run for good (each life
+        restarts the run's generation, so the groups it waits for are rolled out again from scratch), which
+        no real preemption rate does: a trainer is never killed twice at the same checkpoint unless the
+        life has been stuck in its step for `STUCK_S`."""
+        path = self.workdir / IN_STEP
+        try:
+            pid, step, _first = path.read_text().split()
+            stuck = time.time() - path.stat().st_mtime > STUCK_S
+        except (OSError, ValueError):
+            return False
+        # a life stuck in one step that long is killed all the same: its successor starts a new generation
+        return pid == str(self.pid) and (int(step) > self.killed_at_step or stuck)
+
+    def kill(self, force: bool = False) -> bool:
+        """SIGKILL the trainer mid-step (False while no life runs or the running one is in its first step,
+        unless `force`: a round out of time)."""
+        with self.lock:
+            if self.pid is None or not alive(self.pid) or self.done() or not (force or self.mid_step()):
+                return False
+            os.kill(self.pid, signal.SIGKILL)
+            self.killed = True
+            self.killed_at_step = self.step()
+            wait_for(lambda: not alive(self.pid), 30, "the killed trainer gone")  # type: ignore[arg-type]
+            self.kills += 1
+        if not force:
+            self.tick()  # restarted from its checkpoint at once, as a preempted job rescheduled
+        return True
+
+@dataclass
+class FaultClock:
+    """When faults land: from the trainer's first trained step (the buffer in its steady state, its run's
+    tokenizer checked once) for `seconds`, or from `WARM_UP_S` after the start if no step was trained by
+    then; the last round then has `finish_s` to finish."""
+
+    scheduler: FaultScheduler
+    seconds: float
+    finish_s: float
+    created: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    thread: threading.Thread | None = None
+
+    def tick(self, trained: bool) -> None:
+        if self.started is None and (trained or time.monotonic() - self.created > WARM_UP_S):
+            self.started = time.monotonic()
+            self.thread = threading.Thread(target=self.scheduler.run, daemon=True)
+            self.thread.start()
+        if self.elapsed() >= self.seconds:
+            self.scheduler.stop.set()
+
+    def elapsed(self) -> float:
+        return 0.0 if self.started is None else time.monotonic() - self.started
+
+    def over(self) -> bool:
+        return self.started is not None and self.elapsed() >= self.seconds
+
+    def finish_by(self) -> float:
+        return (self.started or self.created + WARM_UP_S) + self.seconds + self.finish_s
+
+    def stop(self) -> None:
+        self.scheduler.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=120)
+
 
 def _trainer_config(cfg: ChaosConfig, services: Services, round_no: int, prompt_file: Path) -> dict[str, Any]:
     engine = urlparse(services.engine.url)
-    return {"steps": cfg.prompts * cfg.epochs // cfg.batch, "args": {
+    return {"steps": cfg.prompts * cfg.epochs // cfg.batch, "train_s": cfg.train_s, "args": {
         "rollout_buffer_url": services.proxy_url, "rollout_task_type": "math", "prompt_data": str(prompt_file),
         "n_samples_per_prompt": cfg.repeats, "rollout_batch_size": cfg.batch, "num_epoch": cfg.epochs,
         "rollout_num_process": 16, "hf_checkpoint": str(qwen_tokenizer_dir("qwen2.5")), "loss_mask_type": "qwen",
         "rollout_max_response_len": 64, "rollout_temperature": 1.0, "rollout_top_p": 1.0,
         "sglang_router_ip": engine.hostname, "sglang_router_port": engine.port, "agent_fetch_timeout_s": 15.0,
-        "fetch_trajectory_retry_times": -1, "agent_fetch_backoff_s": 0.1, "agent_fetch_backoff_max_s": 1.0,
-        "agent_start_rollout_attempts": 60, "agent_start_rollout_backoff_s": 0.5, "agent_lease_s": 60.0,
+        "fetch_trajectory_retry_times": -1, "agent_fetch_backoff_s": 0.1, "agent_fetch_backoff_max_s": 0.3,
+        # a preemptible trainer's settings: retry a buffer that restarts every few seconds at once, and a
+        # short lease (renewed every third of it while a step runs) so a killed life's batch returns quickly
+        "agent_start_rollout_attempts": 200, "agent_start_rollout_backoff_s": 0.05, "agent_lease_s": 3.0,
         "agent_rollout_run_id": f"chaos-{cfg.seed}-{round_no}", "use_wandb": False}}
 
 
 def _external_stream(services: Services, base: Path, round_no: int, n: int) -> tuple[RetryingWriter, LeasedReader]:
     """A run written by a client (acknowledged writes) and read with leases, directly on the API."""
-    assert services.server is not None
     input_file = write_jsonl(base / f"external-{round_no}.jsonl", [{"instance_id": f"x{i}"} for i in range(n)])
     deadline = time.monotonic() + 60
     while True:
         try:
-            with httpx.Client(base_url=services.server.url, timeout=15) as client:
+            with httpx.Client(base_url=services.url, timeout=15) as client:
                 run_id = start_run(client, input_file, task_type="external", repeats=1,
                                    run_id=f"external-{round_no}-{base.name}")
             break
@@ -130,8 +200,8 @@ def _external_stream(services: Services, base: Path, round_no: int, n: int) -> t
                 raise
             time.sleep(0.2)
     records = [make_record(f"x{i}", uid=f"{run_id}-{i}", run_id=run_id) for i in range(n)]
-    writer = RetryingWriter(services.server.url, run_id, records, batch_size=4, deadline_s=600)
-    reader = LeasedReader(services.server.url, run_id, lease_s=60.0, deadline_s=600)
+    writer = RetryingWriter(services.url, run_id, records, batch_size=4, deadline_s=600)
+    reader = LeasedReader(services.url, run_id, lease_s=60.0, deadline_s=600)
     start_daemon(writer.run)
     start_daemon(reader.run)
     return writer, reader
@@ -139,66 +209,96 @@ def _external_stream(services: Services, base: Path, round_no: int, n: int) -> t
 
 def run_chaos(cfg: ChaosConfig) -> Report:
     cfg.base.mkdir(parents=True, exist_ok=True)
-    cluster = LocalRedisCluster(cfg.base / "cluster", replicas=1, node_timeout_ms=1000).start() if cfg.cluster else None
+    cluster = None
+    if cfg.cluster:
+        cluster = LocalRedisCluster(cfg.base / "cluster", replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS).start()
     services = Services(cfg.base, cluster=cluster, wait_replicas=cfg.wait_replicas, retain_runs=cfg.retain_runs)
-    rounds: list[RoundHistory] = []
     current: dict[str, Any] = {}
-    started = time.monotonic()
     try:
         with services.running():
-            scheduler = FaultScheduler(cfg.seed, services.injectors(
+            injectors = services.injectors(
                 trainer_kill=lambda: current["lives"].kill() if current else False,
                 run_id=lambda: current.get("run_id"),
-                version=lambda: current["lives"].step() + 1 if current else 1),
-                min_gap_s=cfg.min_gap_s, max_gap_s=cfg.max_gap_s)
-            faults = threading.Thread(target=scheduler.run, daemon=True)
-            faults.start()
-            round_no = 0
-            while time.monotonic() - started < cfg.seconds:
-                workdir = cfg.base / f"round-{round_no}"
-                workdir.mkdir()
-                prompt_file = write_jsonl(workdir / "math.jsonl", arithmetic_rows(cfg.prompts, round=round_no))
-                config_path = workdir / "trainer.json"
-                config_path.write_text(json.dumps(_trainer_config(cfg, services, round_no, prompt_file)))
-                lives = TrainerLives(workdir, config_path)
-                writer, reader = _external_stream(services, workdir, round_no, cfg.external_records)
-                agents = _gateway_agents(cfg, services, round_no) if cfg.gateway else None
-                current.update(lives=lives, run_id=f"chaos-{cfg.seed}-{round_no}")
-                finish_by = started + cfg.seconds + cfg.finish_s
-                while not lives.done() and time.monotonic() < finish_by:
-                    if time.monotonic() - started >= cfg.seconds:
-                        scheduler.stop.set()
-                    lives.tick()
-                    services.sample_memory(time.monotonic() - started)
-                    time.sleep(0.2)
-                while len(writer.acknowledged) < len(writer.records) and time.monotonic() < finish_by:
-                    time.sleep(0.1)
-                reader_done = _drain(reader, writer, finish_by)
-                if agents is not None:
-                    agents.done.wait(max(0.0, finish_by - time.monotonic()))
-                    agents.stop_reading(max(1.0, finish_by - time.monotonic()))
-                if not lives.done():
-                    lives.kill()
-                    lives.crashes.append(_diagnosis(services, f"chaos-{cfg.seed}-{round_no}"))
-                rounds.append(RoundHistory(workdir=workdir, expected={(e, r["instance_id"]) for e in range(cfg.epochs)
-                                                                      for r in arithmetic_rows(cfg.prompts)},
-                                           lives=lives.lives, trainer_kills=lives.kills, crashes=lives.crashes,
-                                           finished=lives.done(), acknowledged=set(writer.acknowledged),
-                                           read=reader.uids(), reader_done=reader_done, agents=agents))
-                round_no += 1
-            scheduler.stop.set()
-            faults.join(timeout=120)
-            return check(cfg.seed, time.monotonic() - started, scheduler, services, rounds)
+                version=lambda: current["lives"].step() + 1 if current else 1)
+            if cfg.kinds is not None:
+                injectors = {kind: inject for kind, inject in injectors.items() if kind in cfg.kinds}
+            armed = {kind: (cfg.min_gap_s * ARMED_GAP, cfg.max_gap_s * ARMED_GAP) for kind in injectors
+                     if kind.startswith(("proxy_", "engine_"))}
+            scheduler = FaultScheduler(cfg.seed, injectors, min_gap_s=cfg.min_gap_s, max_gap_s=cfg.max_gap_s,
+                                       gap_s=armed)
+            clock = FaultClock(scheduler, cfg.seconds, cfg.finish_s)
+            rounds = [_start_round(cfg, services, 0)]
+            while time.monotonic() < clock.finish_by():
+                latest = rounds[-1]
+                current.update(lives=latest.lives, run_id=f"chaos-{cfg.seed}-{latest.no}")
+                clock.tick(trained=(rounds[0].workdir / STEPS).exists())
+                latest.lives.tick()
+                services.supervise()
+                services.sample_memory(clock.elapsed())
+                if latest.lives.done():
+                    if clock.over():
+                        break
+                    # the trainer goes on at once; the round's writer, reader and agents finish in the background
+                    rounds.append(_start_round(cfg, services, latest.no + 1))
+                    continue
+                time.sleep(0.2)
+            clock.stop()
+            histories = [_finish_round(cfg, services, r, clock.finish_by()) for r in rounds]
+            return check(cfg.seed, clock.elapsed(), scheduler, services, histories, fault_s=cfg.seconds)
     finally:
         if cluster is not None:
             cluster.stop()
 
 
+@dataclass
+class Round:
+    """One round in flight: its trainer, its externally written run and its gateway agents."""
+
+    no: int
+    workdir: Path
+    lives: TrainerLives
+    writer: RetryingWriter
+    reader: LeasedReader
+    agents: Any
+
+
+def _start_round(cfg: ChaosConfig, services: Services, round_no: int) -> Round:
+    workdir = cfg.base / f"round-{round_no}"
+    workdir.mkdir()
+    prompt_file = write_jsonl(workdir / "math.jsonl", arithmetic_rows(cfg.prompts, round=round_no))
+    config_path = workdir / "trainer.json"
+    config_path.write_text(json.dumps(_trainer_config(cfg, services, round_no, prompt_file)))
+    assert services.forks is not None
+    lives = TrainerLives(workdir, config_path, services.forks)
+    writer, reader = _external_stream(services, workdir, round_no, cfg.external_records)
+    agents = _gateway_agents(cfg, services, round_no) if cfg.gateway else None
+    return Round(round_no, workdir, lives, writer, reader, agents)
+
+
+def _finish_round(cfg: ChaosConfig, services: Services, rnd: Round, finish_by: float) -> RoundHistory:
+    """Wait (until `finish_by`) for what the round's writer, reader and agents have left, then its history."""
+    writer, reader, agents, lives = rnd.writer, rnd.reader, rnd.agents, rnd.lives
+    while len(writer.acknowledged) < len(writer.records) and time.monotonic() < finish_by:
+        time.sleep(0.1)
+    reader_done = _drain(reader, writer, finish_by)
+    if agents is not None:
+        agents.done.wait(max(0.0, finish_by - time.monotonic()))
+        if not agents.stop_reading(max(1.0, finish_by - time.monotonic())):
+            agents.diagnosis = _diagnosis(services, agents.run_id)
+    if not lives.done():
+        lives.kill(force=True)
+        lives.crashes.append(_diagnosis(services, f"chaos-{cfg.seed}-{rnd.no}"))
+    return RoundHistory(workdir=rnd.workdir, expected={(e, r["instance_id"]) for e in range(cfg.epochs)
+                                                       for r in arithmetic_rows(cfg.prompts)},
+                        lives=lives.lives, trainer_kills=lives.kills, crashes=lives.crashes, finished=lives.done(),
+                        acknowledged=set(writer.acknowledged), read=reader.uids(), reader_done=reader_done,
+                        agents=agents)
+
+
 def _gateway_agents(cfg: ChaosConfig, services: Services, round_no: int) -> Any:
     from bench.chaos.agents import GatewayAgents  # the openai SDK is needed only here
 
-    assert services.server is not None
-    return GatewayAgents(services.server.url, services.engine.url, str(qwen_tokenizer_dir("qwen2.5")),
+    return GatewayAgents(services.proxy_url, services.engine.url, str(qwen_tokenizer_dir("qwen2.5")),
                          f"gateway-{cfg.seed}-{round_no}", instances=cfg.gateway_instances, repeats=cfg.repeats,
                          deadline_s=cfg.seconds + cfg.finish_s).start()
 
@@ -213,9 +313,8 @@ def _drain(reader: LeasedReader, writer: RetryingWriter, finish_by: float) -> bo
 
 def _diagnosis(services: Services, run_prefix: str) -> str:
     """What the buffer says about an unfinished round's runs (every generation), for the report."""
-    assert services.server is not None
     try:
-        with httpx.Client(base_url=services.server.url, timeout=10) as client:
+        with httpx.Client(base_url=services.url, timeout=10) as client:
             runs = [str(r) for r in client.get("/runs").json().get("runs", []) if str(r).startswith(run_prefix)]
             details = [client.get(f"/runs/{run_id}").json() for run_id in runs]
     except (httpx.HTTPError, ValueError) as exc:

@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +24,7 @@ from tests.support.helpers import SlimeLikeDataBuffer
 
 CHECKPOINT = "checkpoint.json"
 STEPS = "steps.jsonl"
+IN_STEP = "in_step"  # "{pid} {step} {first step of that life}": the harness kills trainers mid-step
 
 
 def load_checkpoint(workdir: Path) -> dict[str, Any]:
@@ -68,9 +70,13 @@ def train(workdir: Path, config: dict[str, Any]) -> None:
     checkpoint = load_checkpoint(workdir)
     buffer = SlimeLikeDataBuffer(copy.deepcopy(checkpoint["metadata"]))
     life = os.getpid()
-    for step in range(checkpoint["step"], config["steps"]):
+    first = checkpoint["step"]
+    for step in range(first, config["steps"]):
+        (workdir / IN_STEP).write_text(f"{life} {step} {first}")  # a kill from now on lands mid-step
+        began = time.monotonic()
         output = generate_rollout(args, step, buffer)
         groups = getattr(output, "samples", output)
+        time.sleep(config.get("train_s", 0.0))  # the training itself (the batch leased, renewed meanwhile)
         trained, problems = [], []
         for group in groups:
             keys = {(s.metadata["epoch"], s.metadata["instance_id"]) for s in group}
@@ -81,7 +87,8 @@ def train(workdir: Path, config: dict[str, Any]) -> None:
             for sample in group:
                 problems += sample_problems(sample)
         with open(workdir / STEPS, "a") as log:
-            log.write(json.dumps({"life": life, "step": step, "groups": trained, "problems": problems}) + "\n")
+            log.write(json.dumps({"life": life, "step": step, "groups": trained, "problems": problems,
+                                  "took_s": round(time.monotonic() - began, 2)}) + "\n")
             log.flush()
             os.fsync(log.fileno())
         checkpoint = {"step": step + 1, "metadata": copy.deepcopy(buffer.get_metadata()),

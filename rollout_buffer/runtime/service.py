@@ -33,12 +33,13 @@ from rollout_buffer.runtime.jobqueue import EnqueueStopped, JobQueue
 from rollout_buffer.runtime.legacy import LegacyRunner
 from rollout_buffer.runtime.options import RunOptions
 from rollout_buffer.runtime.supervisor import WorkerSupervisor
-from rollout_buffer.runtime.tokenizers import check_tokenizer_in_child, get_tokenizer
+from rollout_buffer.runtime.tokenizers import check_tokenizer_in_child, checked_key, get_tokenizer, remember_checked
 from rollout_buffer.runtime.worker import WorkerPool, publish_run
 from rollout_buffer.runtime.worker_env import redis_url_of
 from rollout_buffer.security.access import AccessDenied, AccessPolicy, tokenizer_unavailable
 from rollout_buffer.security.auth import run_write_url
 from rollout_buffer.settings import Settings
+from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.discovery import TaskModule, TaskRegistry
 from rollout_buffer.wire.schema import StartRolloutRequest
@@ -114,6 +115,18 @@ class RolloutRuntime:
         samples = await asyncio.to_thread(read_samples, request.input_file)
         check_task_count(len(samples), request, limit)
 
+    async def _check_in_child_once(self, path: str, allow_download: bool) -> None:
+        """`check_tokenizer_in_child`, remembered in Redis: an API restarted (or a second API process) takes
+        the check of an unchanged folder as made, instead of spending seconds in a child to repeat it."""
+        key = checked_key(path)
+        with contextlib.suppress(RedisError, OSError):
+            if await self.store.redis.hexists(keys.TOKENIZERS_CHECKED, key):
+                remember_checked(path)
+                return
+        await check_tokenizer_in_child(path, allow_download=allow_download)
+        with contextlib.suppress(RedisError, OSError):
+            await self.store.redis.hset(keys.TOKENIZERS_CHECKED, key, "1")
+
     async def _check_tokenizer(self, name: str) -> str:
         try:
             source = self.access.tokenizer(name)
@@ -122,8 +135,8 @@ class RolloutRuntime:
         try:
             if self.pool is not None:  # this process rolls out too: keep the tokenizer
                 await get_tokenizer(source.name, allow_download=source.allow_download)
-            else:  # worker processes (or other hosts) do: prove it loads, in a child process
-                await check_tokenizer_in_child(source.name, allow_download=source.allow_download)
+            else:  # worker processes (or other hosts) do: prove it loads, in a child process, once per folder
+                await self._check_in_child_once(source.name, source.allow_download)
         except OSError as exc:
             if not source.local and not source.allow_download:  # a hub name that is not in the local cache
                 denied = tokenizer_unavailable(name)

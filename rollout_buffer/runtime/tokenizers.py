@@ -94,6 +94,17 @@ def _version(path: str) -> int:
         return 0
 
 
+def checked_key(path: str) -> str:
+    """`path` and its folder version as one string: how other processes remember a passed check (the API
+    keeps it in Redis, so a restarted API does not start a checking child again for an unchanged folder)."""
+    return f"{_version(path)}|{path}"
+
+
+def remember_checked(path: str) -> None:
+    """Take a check another process made (of the folder as it is now) as passed."""
+    _remember_checked((path, _version(path)))
+
+
 def _remember_checked(key: tuple[str, int]) -> None:
     _checked[key] = None
     while len(_checked) > CHECKED_SIZE:

@@ -47,7 +47,7 @@ from rollout_buffer.wire.versions import as_version
 
 log = logging.getLogger(__name__)
 MAX_BLOCK_S = 2.0
-REDIS_RETRY_S = 1.0
+REDIS_RETRY_S = 0.25  # a restarted Redis answers within a few hundred ms: waiting a second idles a worker through it
 STATUS_CHECK_S = 1.0  # how often a run loop checks that its run was not superseded or deleted
 DEFER_RETRY_S = 0.1  # how often held-back jobs try to start again
 

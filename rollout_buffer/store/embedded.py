@@ -31,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 SOCKET_NAME = "redis.sock"
+SERVER_PID_FILE = "redis.server-pid"  # the pid of the last server an owner started (see _wait_for_previous_server)
 _PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,27 @@ def _die_with_parent() -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs and has not exited (a zombie waiting for its reaper has: it holds no socket)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no procfs: trust kill(0)
+
+
+def _is_redis_server(pid: int) -> bool:
+    """Whether `pid` is a redis-server (not another process that got a recycled pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"redis-server" in cmdline.read()
+    except OSError:
+        return _pid_alive(pid)
 
 
 @dataclass
@@ -136,14 +151,22 @@ class EmbeddedRedis:
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             preexec_fn=_die_with_parent, start_new_session=True,
         )
+        (self.data_dir / SERVER_PID_FILE).write_text(str(self.process.pid))
         self._wait_until_answering()
 
     def _wait_for_previous_server(self) -> None:
-        """A server whose owner was killed is still flushing its AOF: let it finish before we start."""
-        pidfile = self.data_dir / "redis.pid"
-        try:
-            pid = int(pidfile.read_text().strip())
-        except (OSError, ValueError):
+        """A server whose owner was killed is still flushing its AOF: let it finish before we start. Its pid
+        comes from `SERVER_PID_FILE`, which this class writes and Redis never touches: Redis deletes its own
+        pidfile early in its shutdown, before it deletes the socket file, so a new server started once that
+        pidfile was gone could have its fresh socket file deleted under it by the old one."""
+        pid = None
+        for name in (SERVER_PID_FILE, "redis.pid"):
+            try:
+                pid = int((self.data_dir / name).read_text().strip())
+                break
+            except (OSError, ValueError):
+                continue
+        if pid is None or not _is_redis_server(pid):
             return
         deadline = time.monotonic() + self.start_timeout_s
         while _pid_alive(pid) and time.monotonic() < deadline:

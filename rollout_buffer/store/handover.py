@@ -141,6 +141,7 @@ async def set_lease_outcome(store: Store, run_id: str, batch_id: str, *, filtere
     filter dropped and the prompt stream must replace); counted and replaced when it is acknowledged."""
     await store.script("SET_LEASE_OUTCOME", [keys.lease_data(run_id)],
                        [batch_id, filtered, hook_errors, orjson.dumps(counts or {}), extend])
+    await store.replicated(run_id)
 
 
 async def ack_batch(store: Store, run_id: str, batch_id: str) -> AckOutcome:
@@ -164,6 +165,7 @@ async def renew_batch(store: Store, run_id: str, batch_id: str) -> AckOutcome:
     outcome, _ = await store.script("RENEW_LEASE", [
         keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.stats(run_id),
         keys.expired_leases(run_id), keys.group_lease(run_id), keys.ready(run_id)], [batch_id, time.time()])
+    await store.replicated(run_id)  # a renewal a failover lost would let the lease expire under its reader
     return AckOutcome(batch_id, text(outcome) or "unknown")
 
 

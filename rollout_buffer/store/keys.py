@@ -46,6 +46,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:{R}:read_log             list   one JSON summary per read that handed groups over (last 1,000)
     rb:{R}:timeline             list   throughput samples [time, counters...] taken by the upkeep loop (bounded)
     rb:{R}:replica_barrier      string written before WAIT (--redis-wait-replicas); expires after a minute
+    {rb:runs}:replica_barrier   the same, in the slot of rb:runs (a run created is in the index on N replicas)
     rb:{R}:sessions             hash   session id -> gateway session (JSON: instance, epoch, key digest, metadata)
     rb:{R}:session_status       hash   session id -> open | finished | failed
     rb:{R}:session_open         zset   session id -> last activity (unix time) of open sessions (idle timeout)
@@ -55,6 +56,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
                                        that answered that exact request (retries replay it)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
+    rb:tokenizers_checked       hash   "{folder version}|{path}" -> 1: tokenizers an API proved loadable (in a child)
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
     rb:remote_owner:{owner_id}  string liveness lease (with TTL) of the API process running remote rollouts
 """
@@ -66,6 +68,7 @@ RUNS = f"{PREFIX}:runs"
 ACTIVE_RUN = f"{PREFIX}:active_run"
 REMOTE_INDEX = f"{PREFIX}:remote:index"
 RUN_EVENTS = f"{PREFIX}:run_events"
+TOKENIZERS_CHECKED = f"{PREFIX}:tokenizers_checked"
 WORKER_GROUP = "workers"
 
 
@@ -185,6 +188,11 @@ def run_keys(run_id: str) -> list[str]:
 
 def replica_barrier(run_id: str) -> str:
     return f"{_tag(run_id)}:replica_barrier"
+
+
+def replica_barrier_of(key: str) -> str:
+    """The barrier key in the slot of `key`, a key outside any run (its whole name is its hash tag)."""
+    return f"{{{key}}}:replica_barrier"
 
 
 def remote(rollout_id: str) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.asyncio.cluster import PipelineCommand, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -28,35 +28,32 @@ class ReplicaWaitError(RedisConnectionError):
     """Fewer replicas than asked for acknowledged a write in time (or the primary could not be asked)."""
 
 
-async def _barrier_on_cluster(client: RedisCluster, key: str, replicas: int, timeout_ms: int) -> list[Any]:
-    node = client.get_node_from_key(key)  # the slot's primary as the client knows it (MOVED refreshes it)
-    commands = [PipelineCommand(0, "SET", key, "1", "PX", BARRIER_TTL_MS),
-                PipelineCommand(1, "WAIT", replicas, timeout_ms)]
+async def _barrier(client: Any, key: str, replicas: int, timeout_ms: int) -> list[Any]:
+    """SET `key`, then WAIT, in one pipeline: a pipeline sends its commands on one connection (a cluster
+    pipeline on one connection per node), and WAIT counts the writes of the connection that sends it.
 
-    async def send() -> None:
-        await node.execute_pipeline(commands)
-
-    permits = getattr(client, "permits", None)
-    await (permits.run(send) if permits is not None else send())
-    return [command.result for command in commands]
-
-
-async def _barrier_on_server(client: Any, key: str, replicas: int, timeout_ms: int) -> list[Any]:
+    On a cluster, WAIT names no key, so redis-py would send it to every primary (a pipeline refuses that):
+    `target_nodes` (a public argument of the cluster pipeline's `execute_command`) pins it to the node the
+    SET's slot maps to, so both land in that node's batch. No redirections: a MOVED SET (a failover the
+    client has not seen yet) must not be re-sent alone on another connection, which would make the WAIT
+    count nothing; it fails the barrier instead and the caller retries."""
     async with client.pipeline(transaction=False) as pipe:
         pipe.set(key, "1", px=BARRIER_TTL_MS)
+        if isinstance(client, RedisCluster):
+            pipe.execute_command("WAIT", replicas, timeout_ms, target_nodes=client.get_node_from_key(key))
+            return list(await pipe.execute(raise_on_error=False, allow_redirections=False))
         pipe.execute_command("WAIT", replicas, timeout_ms)
         return list(await pipe.execute(raise_on_error=False))
 
 
-async def wait_for_replicas(client: Any, run_id: str, replicas: int, timeout_ms: int) -> int:
-    """Block until `replicas` replicas of the primary holding `run_id`'s slot have every write answered so
-    far; returns how many did. Raises `ReplicaWaitError` when fewer did within `timeout_ms`."""
-    key = keys.replica_barrier(run_id)
+async def wait_for_replicas(client: Any, run_id: str, replicas: int, timeout_ms: int, *,
+                            barrier_key: str | None = None) -> int:
+    """Block until `replicas` replicas of the primary holding `run_id`'s slot (or `barrier_key`'s: a key
+    outside any run, such as the run index) have every write answered so far; returns how many did. Raises
+    `ReplicaWaitError` when fewer did within `timeout_ms`."""
+    key = barrier_key or keys.replica_barrier(run_id)
     try:
-        if isinstance(client, RedisCluster):
-            results = await _barrier_on_cluster(client, key, replicas, timeout_ms)
-        else:
-            results = await _barrier_on_server(client, key, replicas, timeout_ms)
+        results = await _barrier(client, key, replicas, timeout_ms)
     except RedisConnectionError:
         raise
     except RedisError as exc:  # MOVED after a failover, a node gone: the write's fate is unknown, retry

@@ -146,6 +146,7 @@ class SessionStore:
         if idle_clock:
             pipe.zadd(keys.session_open(run_id), {session_id: now})
         await pipe.execute()
+        await self.store.replicated(run_id)
         return session
 
     async def get(self, run_id: str, session_id: str) -> Session | None:
@@ -251,6 +252,7 @@ class SessionStore:
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
+        await self.store.replicated(run_id)  # a turn an agent was answered for survives a failover
 
     async def touch(self, run_id: str, session_id: str) -> None:
         """The session is in use (its idle clock restarts)."""
@@ -262,6 +264,7 @@ class SessionStore:
         pipe.hset(keys.session_status(run_id), session_id, status)
         pipe.zrem(keys.session_open(run_id), session_id)
         await pipe.execute()
+        await self.store.replicated(run_id)
 
     async def idle(self, run_id: str, before: float, limit: int = 1000) -> list[str]:
         """Open sessions whose last activity is older than `before`."""

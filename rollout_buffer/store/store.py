@@ -94,6 +94,10 @@ class Store:
         """Record a run; returns False when it already exists (its stored settings are kept). `extra_meta`:
         more fields of the run's meta (its staleness and filter policy, read by the scripts)."""
         created = await self.redis.hsetnx(keys.RUNS, run_id, orjson.dumps(config))
+        # the index and the meta are two writes (two slots on a cluster): a creation cut short between them
+        # (its API killed) left an indexed run without meta, which no worker would serve; it is completed now
+        if not created and not await self.redis.exists(keys.run_meta(run_id)):
+            created = True
         if created:
             await self.redis.hset(
                 keys.run_meta(run_id),
@@ -106,6 +110,8 @@ class Store:
                     "status": "running",
                 },
             )
+        await self.replicated(run_id)
+        await self.replicated(run_id, barrier_key=keys.replica_barrier_of(keys.RUNS))
         return bool(created)
 
     async def set_policy_version(self, run_id: str, version: int) -> tuple[bool, int | None]:
@@ -114,6 +120,7 @@ class Store:
         live, previous = await self.script("SET_POLICY_VERSION", [keys.run_meta(run_id), keys.stats(run_id)],
                                            [version])
         before = None if previous in (None, b"", "") else int(previous)
+        await self.replicated(run_id)
         if live and before != version:
             await self.announce_run(run_id, policy_version=version)
         return bool(live), before
@@ -151,6 +158,7 @@ class Store:
         """Set a live run's status (never re-creates the meta of a deleted run)."""
         if await self.redis.exists(keys.run_meta(run_id)):
             await self.redis.hset(keys.run_meta(run_id), mapping={"status": status, f"{status}_at": time.time()})
+            await self.replicated(run_id)
 
     async def list_runs(self) -> list[str]:
         return sorted(text(k) or "" for k in await self.redis.hkeys(keys.RUNS))
@@ -160,6 +168,7 @@ class Store:
         gids = list(gids)
         for start in range(0, len(gids), 10_000):
             await self.redis.sadd(keys.skip(run_id), *gids[start:start + 10_000])
+        await self.replicated(run_id)
 
     async def _members(self, key: str) -> set[str]:
         return {text(x) or "" for x in await self.redis.smembers(key)}
@@ -177,6 +186,7 @@ class Store:
         await self.redis.hset(keys.run_meta(run_id), mapping={
             "status": "superseded", "superseded_by": successor, "superseded_reason": reason,
             "superseded_at": time.time()})
+        await self.replicated(run_id)
 
     async def incr_stats(self, run_id: str, amounts: dict[str, int]) -> None:
         """Add to a run's counters; nothing happens for a deleted run (its keys are not re-created)."""
@@ -248,12 +258,14 @@ class Store:
         await self.replicated(run_id)
         return [self._outcome(reply) for reply in replies]
 
-    async def replicated(self, run_id: str) -> None:
+    async def replicated(self, run_id: str, *, barrier_key: str | None = None) -> None:
         """With `wait_replicas`, return once that many replicas hold every write of the run answered so far
         (a duplicate's too: its first write may be the one a failover would lose); `ReplicaWaitError` if not.
-        Writes, leased reads and acks call it before they answer."""
+        Every write a client is answered for calls it before the answer: records, runs created, policy
+        versions, leased reads, lease outcomes, renewals and acks, gateway sessions, turns and closes."""
         if self.wait_replicas:
-            await wait_for_replicas(self.redis, run_id, self.wait_replicas, self.replica_timeout_ms)
+            await wait_for_replicas(self.redis, run_id, self.wait_replicas, self.replica_timeout_ms,
+                                    barrier_key=barrier_key)
 
 
 # ----- the Lua this module runs (the hand-over's: `handover_lua`; shared functions: `lua`) -----

@@ -13,6 +13,7 @@ import pytest
 
 from slime_adapter.buffer_client import ack_batches, fetch_rollout_data
 from slime_adapter.build import build_group_samples
+from tests.support.backends import CLUSTER_BACKENDS
 from tests.support.gateway import (
     CALCULATOR,
     assert_one_branch,
@@ -28,7 +29,7 @@ from tests.support.helpers import ServerSpec
 QUESTIONS = ["What is 17 * 3 + 4?", "And what is (2 + 9) * 7?"]
 
 
-SERVER = ServerSpec(args=("--session-timeout-s", "60"))
+SERVER = ServerSpec(args=("--session-timeout-s", "60"), backends=tuple(CLUSTER_BACKENDS))  # embedded and cluster
 
 
 

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.backends import CLUSTER_BACKENDS
 from tests.support.gateway import finish, new_session, read_group, start_external
 from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.process_tools import wait_for
@@ -18,7 +19,9 @@ TOKEN = "gateway-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-SERVER = ServerSpec(args=("--session-timeout-s", "1"), env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
+# the gateway's core on the embedded Redis and on a Redis Cluster (sessions, turns and records in a run's slot)
+SERVER = ServerSpec(args=("--session-timeout-s", "1"), env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN},
+                    backends=tuple(CLUSTER_BACKENDS))
 
 
 @pytest.fixture()

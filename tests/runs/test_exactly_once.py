@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from slime_adapter.agent_rollout import generate_rollout, get_state, reset_state
-from tests.support.faults import DroppingProxy, LeasedReader, RetryingWriter, start_daemon
+from tests.support.faults import FaultProxy, LeasedReader, RetryingWriter, start_daemon
 from tests.support.helpers import ServerProcess, make_record, start_run, write_jsonl
 from tests.support.runtime_helpers import arithmetic_rows
 
@@ -50,7 +50,7 @@ def test_a_trainer_that_loses_answers_and_crashes_trains_every_group_once(
     rows, epochs, group, batch = arithmetic_rows(8), 3, 2, 2
     steps = len(rows) * epochs // batch
     with ServerProcess(tmp_path / "data", *retention) as server:
-        proxy = DroppingProxy(server.url, drop={2, 5, 9})
+        proxy = FaultProxy(server.url, cut_answers={2, 5, 9})
         engine = urlparse(rollout_engine.url)
         args = SimpleNamespace(
             rollout_buffer_url=tiny_server(proxy.app()), rollout_task_type="math",

@@ -242,3 +242,38 @@ async def test_the_api_checks_a_tokenizer_in_a_child_process(tmp_path: Path, qwe
     await tokenizers.check_tokenizer_in_child(qwen_tokenizer_path)
     assert qwen_tokenizer_path not in tokenizers._cache
     assert (qwen_tokenizer_path, tokenizers._version(qwen_tokenizer_path)) in tokenizers._checked
+
+
+async def test_a_restarted_api_takes_a_tokenizer_check_from_redis(tmp_path: Path, qwen_tokenizer_path: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checking child costs seconds (a fresh interpreter importing transformers): an API restarted
+    under a trainer that re-sends `/start_rollout` must not pay it again for an unchanged folder, or a
+    buffer restarted every few seconds (the chaos run) never answers one. Found by `python -m bench.chaos`."""
+    from rollout_buffer.runtime import service, tokenizers
+    from rollout_buffer.settings import Settings
+    from rollout_buffer.store.embedded import EmbeddedRedis
+    from rollout_buffer.store.store import Store
+    from rollout_buffer.tasks.discovery import TaskRegistry
+
+    children: list[str] = []
+
+    async def child(path: str, *, allow_download: bool = False) -> None:
+        children.append(path)
+
+    monkeypatch.setattr(service, "check_tokenizer_in_child", child)
+    embedded = EmbeddedRedis(tmp_path / "redis")
+    url = embedded.start()
+    try:
+        for life in range(2):  # two API processes' lives on one Redis: the second checks nothing
+            tokenizers._checked.clear()
+            tokenizers._cache.pop(qwen_tokenizer_path, None)
+            store = Store.from_url(url)
+            settings = Settings(workers=0, worker_processes=0, input_root=[Path(qwen_tokenizer_path).parent])
+            runtime = service.RolloutRuntime(store, TaskRegistry(), settings)
+            assert runtime.pool is None, "an API without rollouts of its own checks in a child"
+            await runtime._check_tokenizer(qwen_tokenizer_path)
+            await store.close()
+            assert children == [qwen_tokenizer_path], f"life {life}: one child check in all"
+        assert (qwen_tokenizer_path, tokenizers._version(qwen_tokenizer_path)) in tokenizers._checked
+    finally:
+        embedded.stop()

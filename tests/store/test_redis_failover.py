@@ -14,7 +14,7 @@ import pytest
 
 from bench.chaos.failover import TASKS, run_failover
 from rollout_buffer.cli import main as cli_main
-from tests.support.helpers import ServerProcess, make_record, start_run, write_jsonl
+from tests.support.helpers import ServerProcess, make_record, write_jsonl
 from tests.support.redis_cluster import LocalRedisCluster
 
 
@@ -44,7 +44,10 @@ def test_without_enough_replicas_a_write_is_not_acknowledged(tmp_path: Path) -> 
         with ServerProcess(tmp_path / "data", *flags) as server, httpx.Client(base_url=server.url,
                                                                               timeout=30) as client:
             input_file = write_jsonl(tmp_path / "input.jsonl", [{"instance_id": "i0"}])
-            run_id = start_run(client, input_file, task_type="external", repeats=1)
+            start = client.post("/start_rollout", json={"input_file": str(input_file), "task_type": "external",
+                                                        "num_repeat_per_sample": 1, "run_id": "no-replica"})
+            assert start.status_code == 503 and "0 of 1 replica(s)" in start.text, "a run started is a write too"
+            run_id = "no-replica"  # stored all the same (not acknowledged): the write below reaches the barrier
             answer = client.post("/buffer/write", json=make_record("i0", uid="u0", run_id=run_id))
             assert answer.status_code == 503, answer.text
             assert "0 of 1 replica(s)" in answer.text and "--redis-wait-replicas" in answer.text

@@ -1,9 +1,10 @@
-"""Fault injection for the exactly-once tests: an HTTP proxy that cuts answers mid-body, a leased reader
-that behaves like the adapter (same batch id after a lost answer, ack after processing), and a writer
-that retries until each batch is acknowledged."""
+"""Fault injection for the exactly-once tests and the chaos run (`bench.chaos`): an HTTP proxy that drops
+requests, cuts answers mid-body and delays, a leased reader that behaves like the adapter (same batch id
+after a lost answer, ack after processing), and a writer that retries until each batch is acknowledged."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -16,18 +17,48 @@ import httpx
 from aiohttp import web
 
 
+DROP, CUT, DELAY = "proxy_drop", "proxy_cut", "proxy_delay"
+
+
 @dataclass
-class DroppingProxy:
-    """Forwards everything to `upstream`; the answers of `/get_rollout_data` reads that carry data and whose
-    ordinal (1-based, counting data-carrying answers) is in `drop` are cut after half their body and the
-    connection closed, as a network failure mid-response would."""
+class FaultProxy:
+    """Forwards everything to `upstream` and misbehaves as a network does: drops requests (the connection
+    closes before anything is forwarded), cuts answers mid-body (forwarded, then half the body and a closed
+    connection) and delays requests.
+
+    Two ways to ask for a fault: `cut_answers`, the ordinals (1-based) of the `/get_rollout_data` answers
+    that carry data to cut (a test's fixed schedule), and `arm(kind)`, which the next request that can take
+    it takes (the chaos run's scheduler). Only answers that carry something are worth cutting: a read with
+    data (a leased batch whose answer never arrives) or an agent's chat completion (a turn generated and
+    stored whose answer never arrives). Every fault that landed is counted in `applied`."""
 
     upstream: str
-    drop: set[int]
+    cut_answers: set[int] = field(default_factory=set)
+    delay_s: float = 1.5
+    applied: Counter[str] = field(default_factory=Counter)
+    requests: int = 0
     data_answers: int = 0
-    dropped: int = 0
     content_types: set[str] = field(default_factory=set)  # of the data-carrying answers
+    _armed: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _session: aiohttp.ClientSession | None = None
+
+    @property
+    def dropped(self) -> int:
+        """Answers cut mid-body."""
+        return self.applied[CUT]
+
+    def arm(self, kind: str) -> None:
+        with self._lock:
+            self._armed[kind] += 1
+
+    def _take(self, kind: str) -> bool:
+        with self._lock:
+            if self._armed[kind] <= 0:
+                return False
+            self._armed[kind] -= 1
+            self.applied[kind] += 1
+            return True
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -39,31 +70,56 @@ class DroppingProxy:
         if self._session is not None:
             await self._session.close()
 
+    def _cut_this(self, path: str, status: int, payload: bytes, content_type: str) -> bool:
+        if status != 200:
+            return False
+        if path == "/get_rollout_data" and (b'"success":true' in payload or "packed" in content_type):
+            with self._lock:
+                self.data_answers += 1
+                self.content_types.add(content_type.split(";")[0])
+                if self.data_answers in self.cut_answers:
+                    self.applied[CUT] += 1
+                    return True
+            return self._take(CUT)
+        return path.endswith("/chat/completions") and self._take(CUT)
+
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
         body = await request.read()
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json"),
-                   "Accept": request.headers.get("Accept", "*/*")}  # the adapter's reads ask for the packed form
-        async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
-                                         headers=headers) as up:
-            payload = await up.read()
-            status, content_type = up.status, up.headers.get("Content-Type", "application/json")
-        cut = False
-        if request.path == "/get_rollout_data" and status == 200 and b'"success":true' in payload:
-            self.data_answers += 1
-            self.content_types.add(content_type.split(";")[0])
-            cut = self.data_answers in self.drop
-        if not cut:
+        if self._take(DROP):
+            return self._hang_up(request)  # the request never reaches the buffer
+        if self._take(DELAY):
+            await asyncio.sleep(self.delay_s)
+        # Accept: the adapter's reads ask for the packed form
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept", "authorization")}
+        try:
+            async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
+                                             headers=headers) as up:
+                payload = await up.read()
+                status, content_type = up.status, up.headers.get("Content-Type", "application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return self._hang_up(request)  # the buffer is down (killed, restarting): so is the connection
+        if not self._cut_this(request.path, status, payload, content_type):
             return web.Response(body=payload, status=status, content_type=content_type.split(";")[0])
-        self.dropped += 1
         response = web.StreamResponse(status=status, headers={"Content-Type": content_type,
                                                                "Content-Length": str(len(payload))})
-        await response.prepare(request)
-        await response.write(payload[:len(payload) // 2])
-        assert request.transport is not None
-        request.transport.close()  # the rest of the body never arrives
+        try:
+            await response.prepare(request)
+            await response.write(payload[:len(payload) // 2])
+        except ConnectionError:
+            pass  # the client hung up first (its own timeout): cut all the same
+        if request.transport is not None:
+            request.transport.close()  # the rest of the body never arrives
         return response
+
+    @staticmethod
+    def _hang_up(request: web.Request) -> web.StreamResponse:
+        """Close the client's connection without an answer, as a network failure would."""
+        if request.transport is not None:  # None: the client hung up first
+            request.transport.close()
+        return web.Response(status=502)  # never reaches the client: its connection is closed
 
 
 @dataclass
