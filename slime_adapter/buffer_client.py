@@ -38,6 +38,7 @@ __all__ = [
     "StartRolloutRejected",
     "ack_batches",
     "build_start_payload",
+    "with_start_options",
     "get_rollout_data",
     "long_poll_wait_s",
     "read_format_default",
@@ -134,6 +135,16 @@ def build_start_payload(settings: AgentRolloutSettings, metadata: Mapping[str, A
     return payload
 
 
+def with_start_options(payload: dict[str, Any], settings: AgentRolloutSettings) -> dict[str, Any]:
+    """`payload` plus the user's `agent_start_options`; one the adapter already sets is refused (ValueError
+    naming it), so a run's setting never has two sources that disagree."""
+    clash = sorted(set(settings.start_options) & set(payload))
+    if clash:
+        raise ValueError(f"agent_start_options sets {', '.join(map(repr, clash))}, which the adapter sends from "
+                         "slime's own arguments; set those arguments instead")
+    return {**payload, **settings.start_options}
+
+
 def _server_message(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -192,7 +203,8 @@ def start_rollout(api_base_url: str, args: Any, metadata: Mapping[str, Any] | No
     a 4xx raises `StartRolloutRejected` at once with the buffer's message.
     """
     settings = AgentRolloutSettings.from_args(args)
-    payload = {**build_start_payload(settings, metadata), **staleness_fields(settings, policy_version)}
+    payload = with_start_options({**build_start_payload(settings, metadata),
+                                  **staleness_fields(settings, policy_version)}, settings)
     log.info("starting rollout run at %s: task %s, %d skip id(s)", api_base_url, settings.task_type,
              len(payload["skip_instance_ids"]))
     return post_start_rollout(api_base_url, payload, settings)

@@ -51,6 +51,7 @@ from slime_adapter.buffer_client import (
     fetch_rollout_data,
     long_poll_wait_s,
     post_start_rollout,
+    with_start_options,
 )
 from slime_adapter.build import build_samples
 from slime_adapter.metrics import rollout_step
@@ -160,7 +161,7 @@ def start_payload(settings: AgentRolloutSettings, dataset: EvalDataset, run_id: 
     payload["activate"] = False  # never the buffer's active run: unqualified reads and writes stay training's
     if dataset.min_new_tokens is not None:
         payload["sampling_params"]["min_new_tokens"] = dataset.min_new_tokens
-    return payload
+    return with_start_options(payload, resolved)
 
 
 async def _collect_run(settings: AgentRolloutSettings, run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

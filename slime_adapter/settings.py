@@ -6,6 +6,7 @@ which attributes exist, so every value is read with a default instead of assumin
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -51,6 +52,21 @@ def input_keys_of(args: Any, prefix: str = "") -> dict[str, str | None]:
         if value is not None or hasattr(args, name):
             keys[name] = value
     return keys
+
+
+def _start_options(value: Any) -> dict[str, Any]:
+    """`agent_start_options` as a dict: given as one, or as a JSON object (a command line's form)."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"agent_start_options is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"agent_start_options must be a JSON object of /start_rollout fields, got "
+                         f"{type(value).__name__}")
+    return dict(value)
 
 
 def _optional_int(value: Any) -> int | None:
@@ -133,6 +149,9 @@ class AgentRolloutSettings:
     - `fetch_timeout_s` (`agent_fetch_timeout_s`): 100.0, one long poll of `/get_rollout_data`.
     - `fetch_backoff_s` (`agent_fetch_backoff_s`): 1.0, first wait after an empty or failed fetch,
       doubled each consecutive failure up to `fetch_backoff_max_s` (`agent_fetch_backoff_max_s`): 30.0.
+    - `start_options` (`agent_start_options`): {}. More `/start_rollout` fields for the run, a dict or a JSON
+      object string (e.g. `{"max_task_attempts": 10, "rollout_timeout_s": 600}`); a field the adapter sets
+      from slime's own arguments is refused, so one setting has one source.
     - `start_attempts` (`agent_start_rollout_attempts`): 8 tries of `/start_rollout`;
       `start_backoff_s` (`agent_start_rollout_backoff_s`): 1.0, doubled per try up to 30 s;
       `start_timeout_s` (`agent_start_rollout_timeout_s`): 30.0 per request.
@@ -228,6 +247,7 @@ class AgentRolloutSettings:
     routing_replay: bool = False
     moe_shape: tuple[int, int] | None = None
     partial_rollout: bool = False
+    start_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args: Any) -> AgentRolloutSettings:
@@ -291,6 +311,7 @@ class AgentRolloutSettings:
             routing_replay=bool(_get(args, "use_rollout_routing_replay", False)),
             moe_shape=_moe_shape(args),
             partial_rollout=bool(_get(args, "partial_rollout", False)),
+            start_options=_start_options(_get(args, "agent_start_options", None)),
         )
         settings.check()
         remember_token(settings.buffer_url, settings.buffer_token)

@@ -101,6 +101,25 @@ def test_start_payload_is_slimes_and_skips_the_union_of_metadata(tmp_path: Path)
         build_start_payload(AgentRolloutSettings.from_args(SimpleNamespace()), {})
 
 
+def test_start_options_reach_the_run_and_cannot_contradict_slimes_arguments(server: ServerProcess,
+                                                                           input_file: Path) -> None:
+    """`agent_start_options` (a dict, or JSON text as slime's YAML or a command line gives it) adds run
+    fields the adapter has no slime argument for; one it already sends is refused, naming it."""
+    for form in ({"max_task_attempts": 7, "rollout_timeout_s": 90}, '{"max_task_attempts": 7, "rollout_timeout_s": 90}'):
+        run_id = f"opts-{'text' if isinstance(form, str) else 'dict'}"
+        answer = start_rollout(server.url, slime_args(server.url, input_file, agent_rollout_run_id=run_id,
+                                                      agent_start_options=form), {})
+        assert answer["created"] is True
+        config = httpx.get(f"{server.url}/runs/{run_id}", timeout=10).json()["config"]
+        assert str(config["max_task_attempts"]) == "7" and float(config["rollout_timeout_s"]) == 90, config
+    clash = slime_args(server.url, input_file, agent_start_options={"num_repeat_per_sample": 8})
+    with pytest.raises(ValueError, match="'num_repeat_per_sample'.*slime's own arguments"):
+        start_rollout(server.url, clash, {})
+    for bad, why in (("{not json", "not JSON"), ("[1]", "JSON object"), (5, "JSON object")):
+        with pytest.raises(ValueError, match=why):
+            AgentRolloutSettings.from_args(SimpleNamespace(agent_start_options=bad))
+
+
 async def test_long_poll_waits_then_returns_a_completed_group(server: ServerProcess, input_file: Path) -> None:
     answer = start_rollout(server.url, slime_args(server.url, input_file, agent_rollout_run_id="poll"), {})
     assert answer["run_id"] == "poll" and answer["created"] is True
