@@ -182,11 +182,7 @@ def _trainer_config(cfg: ChaosConfig, services: Services, round_no: int, prompt_
         # a preemptible trainer's settings: retry a buffer that restarts every few seconds at once, and a
         # short lease (renewed every third of it while a step runs) so a killed life's batch returns quickly
         "agent_start_rollout_attempts": 200, "agent_start_rollout_backoff_s": 0.05, "agent_lease_s": 3.0,
-        "agent_rollout_run_id": f"chaos-{cfg.seed}-{round_no}", "use_wandb": False,
-        # a worker is killed every few seconds: a rollout cut by kills 3 times (the default) is written as
-        # failed (TooManyAttempts) and its group rolled out again by the next generation, which starves the
-        # trainer; a fleet that expects such kills allows more deliveries
-        "agent_start_options": {"max_task_attempts": 30}}}
+        "agent_rollout_run_id": f"chaos-{cfg.seed}-{round_no}", "use_wandb": False}}
 
 
 def _external_stream(services: Services, base: Path, round_no: int, n: int) -> tuple[RetryingWriter, LeasedReader]:
