@@ -43,6 +43,9 @@ class GatewayAgents:
     done: threading.Event = field(default_factory=threading.Event)
     turns_per_session: int = len(QUESTIONS)
     diagnosis: str = ""  # the buffer's view of the run when the reader did not get every session's record
+    # set when faults start: the agents' engine calls then happen under faults (engine faults land only on
+    # requests made while they are armed, and a short run's own rollouts may all be done by then)
+    begin: threading.Event = field(default_factory=threading.Event)
 
     def _post(self, client: httpx.Client, path: str, body: dict[str, Any], what: str,
               headers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -74,6 +77,7 @@ class GatewayAgents:
 
     def run(self) -> None:
         try:
+            self.begin.wait(self.deadline_s / 4)
             with httpx.Client(base_url=self.url, timeout=30) as client:
                 for i in range(self.instances):
                     for _ in range(self.repeats):

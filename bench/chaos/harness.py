@@ -232,6 +232,8 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                 latest = rounds[-1]
                 current.update(lives=latest.lives, run_id=f"chaos-{cfg.seed}-{latest.no}")
                 clock.tick(trained=(rounds[0].workdir / STEPS).exists())
+                if clock.started is not None and latest.agents is not None:
+                    latest.agents.begin.set()
                 latest.lives.tick()
                 services.supervise()
                 services.sample_memory(clock.elapsed())

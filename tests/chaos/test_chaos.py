@@ -18,7 +18,9 @@ Rate: every kind runs on its own thread with seeded gaps of 0.8-3.6 s (proxy and
 for the next request that takes them, at 0.6x those), the 10-minute run's rate: about one fault of each
 kind every 2.2 s, 11 kinds at once. Faults start once the trainer's first step is trained and last 20 s;
 the rounds are smaller than the 10-minute run's (6 prompts x 3 epochs), so the round in flight finishes
-soon after the faults stop.
+soon after the faults stop. The gateway agents begin when the faults do: a short round's own rollouts may
+all be done by the trainer's first step, and engine faults land only on requests made while they are armed
+(seed 1 once had no engine fault land that way, under the load of a full CI run).
 """
 
 from __future__ import annotations
