@@ -41,6 +41,7 @@ from redis.exceptions import ResponseError
 from rollout_buffer.runtime.plan import iter_job_plan, planned_jobs
 from rollout_buffer.store import keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
+from rollout_buffer.store.lua import ADMISSION_FUNCTION
 from rollout_buffer.store.redis_client import RedisClient
 from rollout_buffer.store.stream_lua import STREAM_FUNCTIONS
 
@@ -101,7 +102,7 @@ local old = redis.call('HGET', KEYS[1], ARGV[1]) or 'queued'
 # (skipped by the trainer) -> skipped + ack; the first job of its group (generation) while admission is
 # full -> {'deferred', 0, false}, nothing changed, not acked; otherwise running, one more attempt, and its
 # input line. Returns {previous state, attempts, line or false}.
-_START = """
+_START = ADMISSION_FUNCTION + """
 local status = redis.call('HGET', KEYS[3], 'status')
 if status ~= 'running' and status ~= 'finished' then
   redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
@@ -118,15 +119,7 @@ if redis.call('SISMEMBER', KEYS[5], ARGV[6]) == 1 then
   return {'skipped', tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0'), false}
 end
 if redis.call('HGET', KEYS[8], ARGV[6]) ~= ARGV[7] then
-  local run = redis.call('HMGET', KEYS[3], 'max_staleness', 'groups_per_read', 'groups_per_read_hint',
-                         'consumed_before_version')
-  local bound = tonumber(run[1] or '')
-  if bound then
-    local per = tonumber(run[2] or '') or tonumber(run[3] or '') or 1
-    local consumed = tonumber(run[4] or '') or tonumber(redis.call('HGET', KEYS[2], 'groups_consumed') or '0')
-    local live = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0') - consumed
-    if live >= (bound + 1) * per then return {'deferred', 0, false} end
-  end
+  if admission_full(KEYS[3], KEYS[2]) then return {'deferred', 0, false} end
   redis.call('HSET', KEYS[8], ARGV[6], ARGV[7])
   redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
 end

@@ -18,6 +18,22 @@ The scripts themselves live beside the code that runs them: the write and the ru
 job stream's in `store.stream_lua` and `runtime.jobqueue`.
 """
 
+# The staleness admission rule, one definition for the runtime's jobs (`runtime.jobqueue`) and the gateway's
+# sessions (`store.sessions`): a new group is refused while the run's started-but-unconsumed groups number
+# (max_staleness + 1) x the groups per read. No bound set: never full.
+ADMISSION_FUNCTION = """
+local function admission_full(k_meta, k_stats)
+  local run = redis.call('HMGET', k_meta, 'max_staleness', 'groups_per_read', 'groups_per_read_hint',
+                         'consumed_before_version')
+  local bound = tonumber(run[1] or '')
+  if not bound then return false end
+  local per = tonumber(run[2] or '') or tonumber(run[3] or '') or 1
+  local consumed = tonumber(run[4] or '') or tonumber(redis.call('HGET', k_stats, 'groups_consumed') or '0')
+  local live = tonumber(redis.call('HGET', k_stats, 'groups_started') or '0') - consumed
+  return live >= (bound + 1) * per
+end
+"""
+
 # Shared functions, prepended to the scripts that need them.
 GROUP_FUNCTIONS = """
 local function member_fields(gid, n)

@@ -19,6 +19,7 @@ import orjson
 from redis.exceptions import NoScriptError
 
 from rollout_buffer.store import keys
+from rollout_buffer.store.lua import ADMISSION_FUNCTION
 from rollout_buffer.store.session_turns import Node, resolve
 from rollout_buffer.store.store import Store, text
 
@@ -26,24 +27,16 @@ OPEN = "open"
 
 # KEYS: 1 meta 2 stats 3 gstarted 4 session_seq. ARGV: 1 instance_id 2 group_size 3 epoch ('' = the next
 # free place). A session that starts a new group is admitted under the run's staleness bound with the
-# runtime's rule (rollout_buffer.runtime.jobqueue): refused while started-but-unconsumed groups number
+# runtime's rule (`store.lua.ADMISSION_FUNCTION`): refused while started-but-unconsumed groups number
 # (max_staleness + 1) x the groups per read. Returns {admitted 1|0, epoch}; a refusal changes nothing.
-ADMIT = """
+ADMIT = ADMISSION_FUNCTION + """
 local epoch = tonumber(ARGV[3])
 if not epoch then
   epoch = math.floor(tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0') / tonumber(ARGV[2]))
 end
 local gid = epoch .. ':' .. ARGV[1]
 if redis.call('HEXISTS', KEYS[3], gid) == 0 then
-  local run = redis.call('HMGET', KEYS[1], 'max_staleness', 'groups_per_read', 'groups_per_read_hint',
-                         'consumed_before_version')
-  local bound = tonumber(run[1] or '')
-  if bound then
-    local per = tonumber(run[2] or '') or tonumber(run[3] or '') or 1
-    local consumed = tonumber(run[4] or '') or tonumber(redis.call('HGET', KEYS[2], 'groups_consumed') or '0')
-    local live = tonumber(redis.call('HGET', KEYS[2], 'groups_started') or '0') - consumed
-    if live >= (bound + 1) * per then return {0, epoch} end
-  end
+  if admission_full(KEYS[1], KEYS[2]) then return {0, epoch} end
   redis.call('HSET', KEYS[3], gid, '0')
   redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
 end
