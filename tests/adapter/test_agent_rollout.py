@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,23 +24,13 @@ from slime_adapter.agent_rollout import (
     RolloutDataUnavailable,
     SampleBuildError,
     generate_rollout,
-    reset_state,
 )
 from slime_adapter.sample import Sample
 from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer, make_record, write_jsonl
 from tests.support.process_tools import wait_for
 
 SYSTEM = [{"role": "user", "content": "What is 6*7?"}]
-
-
 SERVER = ServerSpec(shared="external_buffer")
-
-
-@pytest.fixture(autouse=True)
-def fresh_adapter() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 @pytest.fixture()

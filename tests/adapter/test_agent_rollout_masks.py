@@ -4,26 +4,18 @@ metrics count them. The records go through a real `rollout-buffer serve` process
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from slime_adapter.agent_rollout import generate_rollout, reset_state
+from slime_adapter.agent_rollout import generate_rollout
 from tests.adapter.test_agent_rollout import slime_args, write_all
 from tests.support.helpers import ServerProcess, make_record, write_jsonl
 
 QUESTION = {"role": "user", "content": "What is 6*7?"}
 TOOL_CALL = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "6*7"}'}}
-
-
-@pytest.fixture(autouse=True)
-def fresh_adapter() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 @pytest.fixture()

@@ -6,7 +6,6 @@ nothing is lost or trained twice."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,6 @@ from tests.support.slime_namespace import slime_namespace
 GROUP = 2
 FILTER = "tests.support.slime_fields.filter_nonzero_std"
 REWARDS = {"i0": (0.0, 0.0), "i1": (0.0, 1.0), "i2": (1.0, 1.0), "i3": (1.0, 0.0), "i4": (0.0, 1.0), "i5": (1.0, 1.0)}
-
-
-@pytest.fixture(autouse=True)
-def fresh_adapter() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 def write_groups(url: str, run_id: str, names: list[str]) -> None:

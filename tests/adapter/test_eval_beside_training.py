@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from slime_adapter.agent_rollout import generate_rollout, reset_state
+from slime_adapter.agent_rollout import generate_rollout
 from slime_adapter.buffer_client import ack_batches, fetch_rollout_data, start_rollout
 from tests.adapter.test_slime_fields import GROUP, fields_args
 from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, write_jsonl
@@ -26,13 +24,6 @@ from tests.support.process_tools import wait_for
 
 LINES = 8
 TOOL_S = 0.4  # each training rollout spends this long in its "tool": workers stay busy for a while
-
-
-@pytest.fixture(autouse=True)
-def fresh_adapter() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 def _rows(prefix: str, n: int, tool_s: float) -> list[dict[str, Any]]:

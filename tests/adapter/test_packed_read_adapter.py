@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,11 +31,9 @@ from tests.support.trajectories import forked_trajectory, plain, tool_trajectory
 
 
 @pytest.fixture(autouse=True)
-def fresh_adapter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def read_format_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter's default read format, whatever the environment says (the state reset: conftest)."""
     monkeypatch.delenv("ROLLOUT_BUFFER_READ_FORMAT", raising=False)
-    reset_state()
-    yield
-    reset_state()
 
 
 @pytest.fixture()

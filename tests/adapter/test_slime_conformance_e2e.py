@@ -22,7 +22,6 @@ from slime_adapter.agent_rollout import (
     StartRolloutRejected,
     generate_rollout,
     get_state,
-    reset_state,
     start_rollout,
 )
 from slime_adapter.sample import Sample
@@ -31,13 +30,6 @@ from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, write_json
 from tests.support.slime_namespace import DAPO_OVERRIDES, install_slime_base_types, slime_namespace
 
 GROUP = 2
-
-
-@pytest.fixture(autouse=True)
-def fresh_adapter() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 def dapo_args(buffer: ServerProcess, engine: Any, tokenizer_path: str, prompt_data: Path, **extra: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from rollout_buffer.runtime.records import failure_record
-from slime_adapter.agent_rollout import generate_rollout, reset_state
+from slime_adapter.agent_rollout import generate_rollout
 from slime_adapter.build import build_samples
 from slime_adapter.sample import Sample
 from tests.support.helpers import ServerProcess, make_record, write_jsonl
@@ -22,13 +22,6 @@ from tests.support.slime_namespace import slime_namespace
 GROUP = 2
 MOE = (2, 2, 8)  # layers, topk, experts of the test engine
 TOOL_S = 0.3
-
-
-@pytest.fixture(autouse=True)
-def fresh_adapter() -> Iterator[None]:
-    reset_state()
-    yield
-    reset_state()
 
 
 @pytest.fixture()
