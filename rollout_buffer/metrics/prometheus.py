@@ -28,6 +28,10 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("lease_expiries", "Leased batches whose lease ran out; their groups went back to the ready list", "lease_expired"),
     ("lease_expired_groups", "Groups put back to the ready list by expired leases", "lease_expired_groups"),
     ("leases_released", "Leased batches released because a new trainer session started", "lease_released"),
+    ("restart_acked_batches", "Leased batches acknowledged when a new trainer session named all their groups "
+     "as trained (the ack died with the previous session)", "restart_acked_batches"),
+    ("restart_handed_groups", "Trained groups of partly trained leased batches handed over when a new trainer "
+     "session started", "restart_handed_groups"),
     ("batches_leased", "Batches read with a lease", "batches_leased"),
     ("batches_acked", "Leased batches acknowledged by their reader", "batches_acked"),
     ("batch_retries", "Reads of a leased batch again by its batch_id (a lost answer)", "batch_retries"),

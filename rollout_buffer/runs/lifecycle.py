@@ -15,7 +15,9 @@ A start that names what was trained (either field, even empty: a trainer with no
 truth. If the buffer handed over groups the trainer does not have, they were lost with a crashed trainer,
 so the run is superseded by a new generation (`<id>.r<n>`) that rolls out every group except exactly the
 trained ones: each group is trained once, none skipped, none twice. Otherwise the same run carries on,
-and batches leased to the previous trainer session are released at once (one trainer per run). A run that
+and batches leased to the previous trainer session end at once (one trainer per run): a batch whose groups
+the trainer names as trained is acknowledged (its ack died with the previous session, after the checkpoint
+that holds them), the other groups go back to the ready list. A run that
 retention deleted is found by its tombstone (`rollout_buffer.runs.retention`): the chain of generations still
 leads to the newest one, and a deleted newest generation comes back with its handed-over and trained groups.
 
@@ -233,7 +235,9 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     exists = await store.run_exists(run_id)
     # a run retention deleted keeps its handed and skip sets under a tombstone (`retention`): it comes back
     handed = await store.handed_groups(run_id)
-    trained = trained_groups(request, handed) if names_trained_groups(request) else set()
+    # slime's per-id form counts leased groups as handed over: the last batch may be trained, not acked yet
+    trained = (trained_groups(request, handed | await handover.leased_groups(store, run_id))
+               if names_trained_groups(request) else set())
     if handed and names_trained_groups(request):
         untrained = handed - trained
         if untrained:
@@ -257,9 +261,11 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
         await store.set_policy_version(run_id, policy.policy_version)
     await store.add_skip_groups(run_id, trained)
     if not created:
-        released = await handover.expire_leases(store, run_id, release_all=True)
-        if released:
-            log.info("run %s: a new trainer session released %d leased batch(es)", run_id, released)
+        ended = await handover.end_trainer_session(store, run_id)
+        if ended.acked or ended.handed_groups or ended.released:
+            log.info("run %s: a new trainer session acknowledged %d leased batch(es) it had trained (%d more "
+                     "trained group(s) of partly trained ones handed over) and released %d", run_id, ended.acked,
+                     ended.handed_groups, ended.released)
     if activates(request):
         await store.set_active_run(run_id)
     excluded = await store.skip_groups(run_id) | await store.handed_groups(run_id)

@@ -182,6 +182,31 @@ async def extend_stream(store: Store, run_id: str, groups: int, *, filtered: int
     return added
 
 
+@dataclass(frozen=True)
+class SessionEnd:
+    """What ending the previous trainer session's leases did (`end_trainer_session`)."""
+
+    acked: int  # batches whose groups the trainer had all trained: acknowledged
+    handed_groups: int  # trained groups of batches it had partly trained: handed over
+    released: int  # batches put back at the head of the ready list
+
+
+async def end_trainer_session(store: Store, run_id: str, limit: int = 1000) -> SessionEnd:
+    """End every lease of the previous trainer session; groups the new session says it trained (already in
+    `skip`) are handed over, the rest released (see `handover_lua.END_TRAINER_SESSION`)."""
+    acked, handed, released = await store.script("END_TRAINER_SESSION", [
+        keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.records(run_id),
+        keys.gsize(run_id), keys.members(run_id), keys.handed(run_id), keys.stats(run_id),
+        keys.group_version(run_id), keys.run_meta(run_id), keys.tasks(run_id), keys.lines(run_id),
+        keys.skip(run_id), keys.closed(run_id), keys.expired_leases(run_id), keys.group_lease(run_id),
+        keys.ready(run_id), keys.wake(run_id),
+    ], [limit, time.time(), RELEASE_ALL])
+    await store.replicated(run_id)
+    if int(acked):
+        await store.announce_run(run_id)  # an acknowledged batch may have extended the prompt stream
+    return SessionEnd(int(acked), int(handed), int(released))
+
+
 async def expire_leases(store: Store, run_id: str, *, release_all: bool = False, limit: int = 1000) -> int:
     """Put the groups of run-out leases (or, with `release_all`, of every lease) back at the head of the
     ready list; returns how many leases ended."""
@@ -231,3 +256,9 @@ async def group_counts(store: Store, run_id: str) -> dict[str, int]:
     leased = sum(len(_json_list(orjson.loads(raw).get("groups"))) for raw in leases)
     return {"pending": int(pending), "ready": int(ready), "leased": leased, "leased_batches": len(leases),
             "handed": int(handed)}
+
+
+async def leased_groups(store: Store, run_id: str) -> set[str]:
+    """The groups in live leases: handed to a trainer, not acknowledged yet."""
+    leases = await store.redis.hvals(keys.lease_data(run_id))
+    return {str(g) for raw in leases for g in _json_list(orjson.loads(raw).get("groups"))}

@@ -8,8 +8,8 @@ after a read. The functions the scripts share are in `store.lua` (groups), `LEAS
 from rollout_buffer.store.lua import GROUP_FUNCTIONS
 from rollout_buffer.store.stream_lua import EXTEND_GROUPS, STREAM_FUNCTIONS
 
-__all__ = ["ACK_BATCH", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "READ_READY", "RENEW_LEASE",
-           "SET_LEASE_OUTCOME"]
+__all__ = ["ACK_BATCH", "END_TRAINER_SESSION", "EXPIRE_GROUPS", "EXPIRE_LEASES", "EXTEND_GROUPS", "READ_READY",
+           "RENEW_LEASE", "SET_LEASE_OUTCOME"]
 
 # Shared functions, prepended (after `lua.GROUP_FUNCTIONS`) to the scripts that need them.
 LEASE_FUNCTIONS = """
@@ -167,6 +167,42 @@ return out
 # that ran out is acknowledged all the same when nobody took its groups from the ready list since
 # (`reclaim_expired`, counted `late_acks_accepted`); otherwise the ack is refused (`expired`,
 # counted `late_acks`). Returns {outcome, groups, groups added}: acked | already_acked | expired | unknown.
+ACK_FUNCTIONS = """
+-- Ends the live lease `bid` (its JSON `raw`) for good, as ACK_BODY describes; returns (groups, added).
+local function settle_lease(bid, raw, now)
+  local lease = cjson.decode(raw)
+  local samples = 0
+  for _, gid in ipairs(lease['groups']) do
+    samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
+    redis.call('SADD', KEYS[7], gid)
+    redis.call('HDEL', KEYS[16], gid)
+  end
+  redis.call('HINCRBY', KEYS[8], 'groups_handed', #lease['groups'])
+  redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
+  redis.call('HINCRBY', KEYS[8], 'groups_consumed', #lease['groups'])
+  redis.call('HINCRBY', KEYS[8], 'batches_acked', 1)
+  local filtered = tonumber(lease['filtered'] or 0)
+  if filtered > 0 then
+    redis.call('HINCRBY', KEYS[8], 'groups_filtered', filtered)
+    redis.call('HINCRBY', KEYS[8], 'drop:filtered_group', filtered)
+  end
+  local hook_errors = tonumber(lease['hook_errors'] or 0)
+  if hook_errors > 0 then
+    redis.call('HINCRBY', KEYS[8], 'drop:hook_error', hook_errors)
+  end
+  if type(lease['counts']) == 'table' then
+    for name, amount in pairs(lease['counts']) do redis.call('HINCRBY', KEYS[8], name, amount) end
+  end
+  local added = extend_stream(KEYS[10], KEYS[8], KEYS[11], KEYS[12], KEYS[13], KEYS[14], tonumber(lease['extend'] or 0))
+  release_groups(KEYS[10], filtered + tonumber(lease['extend'] or 0))
+  redis.call('HDEL', KEYS[2], bid)
+  redis.call('ZREM', KEYS[1], bid)
+  redis.call('ZADD', KEYS[3], now, bid)
+  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -10001)
+  return #lease['groups'], added
+end
+"""
+
 ACK_BODY = """
 local bid = ARGV[1]
 local raw = redis.call('HGET', KEYS[2], bid)
@@ -181,40 +217,57 @@ if not raw then
   end
   redis.call('HINCRBY', KEYS[8], 'late_acks_accepted', 1)
 end
-local lease = cjson.decode(raw)
-local samples = 0
-for _, gid in ipairs(lease['groups']) do
-  samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
-  redis.call('SADD', KEYS[7], gid)
-  redis.call('HDEL', KEYS[16], gid)
+local groups, added = settle_lease(bid, raw, tonumber(ARGV[2]))
+return {'acked', groups, added}
+"""
+
+# KEYS: ACK_BATCH's 17, then 18 wake. ARGV: 1 limit 2 now 3 `handover.RELEASE_ALL`.
+# A new trainer session starts (`runs.lifecycle.start_run`, after the trainer's trained groups were added
+# to `skip`): the batches leased to the previous session end. A batch whose groups the trainer has all
+# trained is acknowledged (its ack was lost with the previous session: the groups are in the trainer's
+# checkpoint, so handing them over again would train them twice); a batch some of whose groups were
+# trained (over-sampling held the rest) hands those over and releases the rest; every other batch is
+# released, its groups back at the head of the ready list. Returns {batches acked, groups handed from
+# partly trained batches, batches released}.
+END_TRAINER_SESSION = GROUP_FUNCTIONS + STREAM_FUNCTIONS + ACK_FUNCTIONS + """
+local now = tonumber(ARGV[2])
+local acked, handed = 0, 0
+for _, bid in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
+  local raw = redis.call('HGET', KEYS[2], bid)
+  if raw then
+    local lease = cjson.decode(raw)
+    local rest, trained = {}, {}
+    for _, gid in ipairs(lease['groups']) do
+      if redis.call('SISMEMBER', KEYS[13], gid) == 1 then trained[#trained + 1] = gid else rest[#rest + 1] = gid end
+    end
+    if #rest == 0 then
+      settle_lease(bid, raw, now)
+      acked = acked + 1
+    elseif #trained > 0 then
+      local samples = 0
+      for _, gid in ipairs(trained) do
+        samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
+        redis.call('SADD', KEYS[7], gid)
+        redis.call('HDEL', KEYS[16], gid)
+      end
+      redis.call('HINCRBY', KEYS[8], 'groups_handed', #trained)
+      redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
+      redis.call('HINCRBY', KEYS[8], 'groups_consumed', #trained)
+      lease['groups'] = rest
+      redis.call('HSET', KEYS[2], bid, cjson.encode(lease))
+      handed = handed + #trained
+    end
+  end
 end
-redis.call('HINCRBY', KEYS[8], 'groups_handed', #lease['groups'])
-redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
-redis.call('HINCRBY', KEYS[8], 'groups_consumed', #lease['groups'])
-redis.call('HINCRBY', KEYS[8], 'batches_acked', 1)
-local filtered = tonumber(lease['filtered'] or 0)
-if filtered > 0 then
-  redis.call('HINCRBY', KEYS[8], 'groups_filtered', filtered)
-  redis.call('HINCRBY', KEYS[8], 'drop:filtered_group', filtered)
-end
-local hook_errors = tonumber(lease['hook_errors'] or 0)
-if hook_errors > 0 then
-  redis.call('HINCRBY', KEYS[8], 'drop:hook_error', hook_errors)
-end
-if type(lease['counts']) == 'table' then
-  for name, amount in pairs(lease['counts']) do redis.call('HINCRBY', KEYS[8], name, amount) end
-end
-local added = extend_stream(KEYS[10], KEYS[8], KEYS[11], KEYS[12], KEYS[13], KEYS[14], tonumber(lease['extend'] or 0))
-release_groups(KEYS[10], filtered + tonumber(lease['extend'] or 0))
-redis.call('HDEL', KEYS[2], bid)
-redis.call('ZREM', KEYS[1], bid)
-redis.call('ZADD', KEYS[3], tonumber(ARGV[2]), bid)
-redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -10001)
-return {'acked', #lease['groups'], added}
+if acked > 0 then redis.call('HINCRBY', KEYS[8], 'restart_acked_batches', acked) end
+if handed > 0 then redis.call('HINCRBY', KEYS[8], 'restart_handed_groups', handed) end
+local released = expire_leases(KEYS[1], KEYS[2], KEYS[17], KEYS[8], KEYS[18], KEYS[3], KEYS[15], KEYS[16],
+                               tonumber(ARGV[3]), tonumber(ARGV[1]), 'lease_released')
+return {acked, handed, released}
 """
 
 # KEYS, ARGV and what it does: `handover_lua.ACK_BODY`.
-ACK_BATCH = GROUP_FUNCTIONS + STREAM_FUNCTIONS + LEASE_FUNCTIONS + ACK_BODY
+ACK_BATCH = GROUP_FUNCTIONS + STREAM_FUNCTIONS + LEASE_FUNCTIONS + ACK_FUNCTIONS + ACK_BODY
 
 # KEYS: 1 lease_data. ARGV: 1 batch_id 2 filtered groups 3 hook-error groups 4 counters (JSON object:
 # name -> amount) 5 groups to replace from the prompt stream.

@@ -85,7 +85,8 @@ async def run_detail(run_id: str, request: Request) -> Any:
         "drops": {k.split(":", 1)[1]: int(v) for k, v in stats.items() if k.startswith("drop:")},
         "leases": {name: int(stats.get(name, 0)) for name in (
             "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks",
-            "late_acks_accepted", "lease_renewals", "leases_reclaimed")},
+            "late_acks_accepted", "lease_renewals", "leases_reclaimed", "restart_acked_batches",
+            "restart_handed_groups")},
         "failures": await failure_summary(state.store.redis, run_id, stats),
         "stats": stats,
     }
