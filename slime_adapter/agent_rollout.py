@@ -10,7 +10,11 @@ checkpoint roll out exactly the groups it has not trained, in every epoch.
 
 Delivery is exactly-once in effect: every read leases its batch under a batch id this adapter chooses; an
 answer lost on the way (timeout, dropped connection) is read again with the same id and gives the same
-batch; a batch is acknowledged only once its samples are in the data buffer and its keys in the metadata.
+batch; a batch is acknowledged with the next step's first read (slime calls again once it has trained the
+batch, and has saved the checkpoint holding its keys when it checkpoints every step), and at once on the
+last step (`num_rollout`): a trainer killed while it trains still holds the batch's lease, so the restarted
+trainer gets the batch again instead of the buffer rolling out a new generation; one killed after a
+checkpoint that holds the batch has it acknowledged by its restart (`rollout_buffer.runs.lifecycle`).
 Every read sends the trainer's policy version (`rollout_id`), which the buffer measures staleness
 against; the run's bound and group filter (`agent_max_staleness`, `agent_group_filter`) are the buffer's
 to enforce, and a step still gets full batches (the buffer replaces what it drops).
@@ -214,7 +218,8 @@ def _check_acks(meta: dict[str, Any]) -> None:
 
 
 async def _flush_acks(settings: AgentRolloutSettings, state: AgentRolloutState) -> None:
-    """Acknowledge the batches this step took, now rather than with the next step's first read."""
+    """Acknowledge the held batches now rather than with the next read (the last step, or a step that reads
+    nothing); a failure leaves them to the next read."""
     if not state.pending_acks:
         return
     sent = list(state.pending_acks)
@@ -225,6 +230,12 @@ async def _flush_acks(settings: AgentRolloutSettings, state: AgentRolloutState) 
         return
     state.pending_acks = [b for b in state.pending_acks if b not in sent]
     _check_acks({"acks": [{"batch_id": b, "outcome": o} for b, o in outcomes.items()]})
+
+
+def _last_step(args: Any, rollout_id: int) -> bool:
+    """Whether this is the trainer's last step (slime's `num_rollout`; unknown: never)."""
+    num_rollout = getattr(args, "num_rollout", None)
+    return num_rollout is not None and rollout_id >= int(num_rollout) - 1
 
 
 async def _collect(step: Step, need_groups: int, min_groups: int | None = None) -> None:
@@ -315,14 +326,17 @@ async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, e
     buffered = _buffered_groups(data_buffer)
     need = settings.rollout_batch_size - buffered
     metrics: dict[str, Any] | None = None
-    if need > 0:
+    if need <= 0:
+        await _flush_acks(settings, state)  # the previous step's batches are trained: no read carries them
+    else:
         step = Step(settings=settings, state=state, data_buffer=data_buffer, rollout_id=rollout_id, args=args,
                      need=need)
         try:
             step.hand_over(record_always=False)  # groups held from the previous step's over-sampling come first
             await _collect(step, need, max(0, settings.min_groups_per_step - buffered))
         finally:
-            await _flush_acks(settings, state)
+            if _last_step(args, rollout_id):  # no next read will carry this step's acks
+                await _flush_acks(settings, state)
         metrics = log_raw_info(args, step.metas, rollout_id, step.stats, extra={
             "rollout/group_size_mismatch": step.size_mismatches,
             "rollout/fork_dropped_pieces": step.stats.fork_dropped_pieces,

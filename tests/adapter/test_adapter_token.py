@@ -83,7 +83,8 @@ def test_a_training_step_with_the_token_from_the_environment(server: ServerProce
             for reward in (1.0, 3.0):
                 answer = client.post("/buffer/write", json={**make_record(f"i{i}", reward=reward), "run_id": "tok-1"})
                 assert answer.status_code == 200, answer.text
-    args = slime_args(server.url, input_file, rollout_task_type="graded", agent_rollout_run_id="tok-1")
+    # one step in all (slime's num_rollout): its batch is acknowledged before the step returns
+    args = slime_args(server.url, input_file, rollout_task_type="graded", agent_rollout_run_id="tok-1", num_rollout=1)
 
     with pytest.raises(BufferAuthError, match="401"):  # no token anywhere: loud, at once
         generate_rollout(args, 0, slime_data_buffer())

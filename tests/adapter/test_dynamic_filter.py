@@ -77,10 +77,12 @@ def test_zero_std_groups_dropped_and_the_surplus_waits_leased(external_buffer: S
     second = generate_rollout(args, 1, buffer)
     assert [g[0].metadata["instance_id"] for g in second] == ["i3"], "the held group comes first, no read"
     assert buffer.metadata["1"] == {"groups": ["0:i3"]}
-    assert leased_groups(external_buffer.url, run_id) == 0, "acknowledged once nothing of it is held"
+    assert leased_groups(external_buffer.url, run_id) == 4, "this step trains its last group: acked with the next read"
 
     third = generate_rollout(args, 2, buffer)
     assert [g[0].metadata["instance_id"] for g in third] == ["i4"]
+    acked = httpx.get(f"{external_buffer.url}/runs/{run_id}", timeout=10).json()["leases"]["batches_acked"]
+    assert acked == 1, "the third step's read acknowledged the first batch, once nothing of it was held"
     assert metrics[-1]["rollout/dynamic_filter/drop_zero_std_1.0"] == 1
     trained = [g[0].metadata["instance_id"] for step in (first, second, third) for g in step]
     assert trained == ["i1", "i3", "i4"], "every non-zero-std group once, none twice"

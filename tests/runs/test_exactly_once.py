@@ -58,7 +58,7 @@ def test_a_trainer_that_loses_answers_and_crashes_trains_every_group_once(
             rollout_batch_size=batch, num_epoch=epochs, rollout_num_process=16, hf_checkpoint=qwen_tokenizer_path,
             loss_mask_type="qwen", rollout_max_response_len=128, rollout_temperature=1.0, rollout_top_p=1.0,
             sglang_router_ip=engine.hostname, sglang_router_port=engine.port, agent_fetch_timeout_s=10.0,
-            fetch_trajectory_retry_times=20, agent_fetch_backoff_s=0.05, use_wandb=False)
+            fetch_trajectory_retry_times=20, agent_fetch_backoff_s=0.05, use_wandb=False, num_rollout=steps)
         buffer, lineage = slime_data_buffer(), []
         checkpoint: tuple[dict[str, Any], list[tuple[int, str]]] | None = None
         for step in range(5):
