@@ -3,10 +3,14 @@
 Each round starts a `task_type: "external"` run on the test engine, opens one gateway session per rollout
 (`POST /runs/{id}/sessions`, with its epoch, retried until answered), talks to it with the `openai` SDK
 (two user turns; the SDK retries lost connections and 5xx itself) and finishes it with a reward
-(`POST /sessions/{id}/finish`, retried until answered: finishing is idempotent). A session the buffer
-closed first (idle past `--session-timeout-s` while the buffer or the engine was down: finished as failed)
-is left, as an agent whose session ended would. A leased reader reads the run. The checker then wants every
-session's record (finished or closed) read exactly once, and token-exact.
+(`POST /sessions/{id}/finish`, retried until answered: finishing is idempotent). Once faults begin,
+`loops` agents at once open sessions instance after instance (`repeats` sessions each, one group), at
+least `instances` and until `enough` is set (the round's trainer is done, or faults stop), so engine faults
+keep finding requests to land on for as long as they are armed. A session the buffer closed first (idle
+past `--session-timeout-s` while the buffer or the engine was down: finished as failed) is left, as an
+agent whose session ended would. A leased reader reads the run. The checker then wants every session's
+record (finished or closed) read exactly once and token-exact, or its group dropped by the run's group
+filter because every session of it failed (counted by the buffer).
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ class GatewayAgents:
     # set when faults start: the agents' engine calls then happen under faults (engine faults land only on
     # requests made while they are armed, and a short run's own rollouts may all be done by then)
     begin: threading.Event = field(default_factory=threading.Event)
+    enough: threading.Event = field(default_factory=threading.Event)  # stop opening sessions (after `instances`)
+    instances_run: int = 0  # instances taken by the agent loops so far
+    loops: int = 8  # agents at once (sessions of different instances in parallel)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    engine_timeout_s: float = 3.0  # the run's limit on one engine call: a hung call is retried after it
+    instance_of: dict[str, str] = field(default_factory=dict)  # session id -> its instance id
 
     def _post(self, client: httpx.Client, path: str, body: dict[str, Any], what: str,
               headers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -68,7 +78,7 @@ class GatewayAgents:
         with httpx.Client(base_url=self.url, timeout=30) as client:
             self._post(client, "/start_rollout", {
                 "task_type": "external", "remote_engine_url": self.engine_url, "tokenizer_path": self.tokenizer_path,
-                "num_repeat_per_sample": self.repeats, "run_id": self.run_id,
+                "num_repeat_per_sample": self.repeats, "run_id": self.run_id, "engine_timeout_s": self.engine_timeout_s,
                 "sampling_params": {"max_tokens": 48, "temperature": 1.0}}, "start")
         self.reader = LeasedReader(self.url, self.run_id, lease_s=60.0, deadline_s=self.deadline_s)
         start_daemon(self.reader.run)
@@ -76,20 +86,35 @@ class GatewayAgents:
         return self
 
     def run(self) -> None:
+        """`loops` agents at once, each taking the next instance until there are enough."""
+        self.begin.wait(self.deadline_s / 4)
+        loops = [threading.Thread(target=self._loop, daemon=True) for _ in range(self.loops)]
+        for loop in loops:
+            loop.start()
+        for loop in loops:
+            loop.join()
+        self.done.set()
+
+    def _next_instance(self) -> int | None:
+        with self._lock:
+            if self.instances_run >= self.instances and self.enough.is_set():
+                return None
+            self.instances_run += 1
+            return self.instances_run - 1
+
+    def _loop(self) -> None:
         try:
-            self.begin.wait(self.deadline_s / 4)
             with httpx.Client(base_url=self.url, timeout=30) as client:
-                for i in range(self.instances):
+                while (i := self._next_instance()) is not None:
                     for _ in range(self.repeats):
                         self._session(client, f"g{i}", i)
         except Exception as exc:  # reported by the checker: an agent that gave up
             self.errors.append(f"{type(exc).__name__}: {exc}")
-        finally:
-            self.done.set()
 
     def _session(self, client: httpx.Client, instance_id: str, i: int) -> None:
         session = self._post(client, f"/runs/{self.run_id}/sessions", {"instance_id": instance_id, "epoch": 0},
                              "open session")
+        self.instance_of[session["session_id"]] = instance_id
         # through the chaos proxy (the buffer names its own address): drops and cut answers reach the agent
         agent = openai.OpenAI(base_url=f"{self.url}/v1", api_key=session["api_key"], max_retries=5,
                               timeout=30.0)
@@ -104,7 +129,8 @@ class GatewayAgents:
                 self.closed.append(session["session_id"])
                 return
             messages.append(completion.choices[0].message.model_dump(exclude_none=True, exclude={"parsed"}))
-            self.turns += 1
+            with self._lock:
+                self.turns += 1
         self._post(client, f"/sessions/{session['session_id']}/finish", {"reward": float(i % 2)}, "finish",
                    headers={"Authorization": f"Bearer {session['api_key']}"})
         self.finished.append(session["session_id"])

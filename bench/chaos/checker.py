@@ -165,7 +165,10 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
         counts.update({"gateway sessions finished": sum(len(a.finished) for a in agents),
                        "gateway sessions closed by the buffer (idle)": sum(len(a.closed) for a in agents),
                        "gateway turns": sum(a.turns for a in agents),
-                       "gateway records read": sum(sum(a.reader.uids().values()) for a in agents)})
+                       "gateway records read": sum(sum(a.reader.uids().values()) for a in agents),
+                       "gateway groups dropped (every session failed)": sum(
+                           len(set(a.reader.finished_keys) - {f"0:{r.get('instance_id')}" for r in a.reader.received})
+                           for a in agents)})
     return Report(seed, seconds, faults, counts, violations, examples, memory)
 
 
@@ -188,6 +191,12 @@ def _check_sessions(history: RoundHistory, flag: Any) -> None:
     agents, name = history.agents, history.workdir.name
     read = agents.reader.uids()
     lost = set(agents.finished + agents.closed) - set(read)
+    # a group whose every session failed is dropped by the run's group filter (counted by the buffer as
+    # `filtered_group`; its key reaches the reader in `finished_group_keys`, with no records): accounted for
+    read_instances = {r.get("instance_id") for r in agents.reader.received}
+    dropped = {f"0:{i}" for i in {agents.instance_of.get(s) for s in lost} if i and i not in read_instances}
+    dropped &= set(agents.reader.finished_keys)
+    lost = {s for s in lost if not (s in agents.closed and f"0:{agents.instance_of.get(s)}" in dropped)}
     flag("session_lost", len(lost), f"{name}: finished or closed, never read: {sorted(lost)[:3]} "
                                     f"{agents.diagnosis[:1500]}")
     doubled = [u for u, n in read.items() if n > 1]

@@ -38,7 +38,10 @@ from tests.support.runtime_helpers import arithmetic_rows
 # failover (a replica noticing its primary silent, then elected) plus the rejoin fit in about 2 s
 CLUSTER_NODE_TIMEOUT_MS = 500
 ARMED_GAP = 0.6  # proxy and engine faults wait for a request to take them: armed at 0.6x the gaps
+TRAINER_GAP = 0.6  # the trainer waits for its next checkpoint between kills: tried at 0.6x the gaps
 STUCK_S = 10.0  # a trainer life in one step this long may be killed even at the checkpoint of the last kill
+ENGINE_CALL_TIMEOUT_S = 1.0  # the runs' limit on one engine call (a hang is retried after it)
+MAX_TASK_ATTEMPTS = 20
 WARM_UP_S = 120.0  # faults start at the first trained step, or after this long
 
 
@@ -55,6 +58,7 @@ class ChaosConfig:
     repeats: int = 2
     batch: int = 2  # groups per trainer step
     train_s: float = 0.4  # a step's training time: the window in which a killed trainer holds a leased batch
+    skip_checkpoint_p: float = 0.15  # steps not followed by a checkpoint (slime's --save-interval)
     external_records: int = 120
     gateway: bool = True  # agents (OpenAI SDK) through gateway sessions of an external run
     gateway_instances: int = 3
@@ -107,17 +111,16 @@ class TrainerLives:
     def mid_step(self) -> bool:
         """Whether the running life is mid-step, and the trainer checkpointed since the last kill. A
         schedule that killed every life before its first checkpoint would stop the run for good (each life
-        restarts the run's generation, so the groups it waits for are rolled out again from scratch), which
-        no real preemption rate does: a trainer is never killed twice at the same checkpoint unless the
-        life has been stuck in its step for `STUCK_S`."""
+        starts again from the same checkpoint), which no real preemption rate does: a trainer is never
+        killed twice at the same checkpoint unless the life has been stuck in its step for `STUCK_S`."""
         path = self.workdir / IN_STEP
         try:
-            pid, step, _first = path.read_text().split()
+            pid, _step, _first = path.read_text().split()
             stuck = time.time() - path.stat().st_mtime > STUCK_S
         except (OSError, ValueError):
             return False
-        # a life stuck in one step that long is killed all the same: its successor starts a new generation
-        return pid == str(self.pid) and (int(step) > self.killed_at_step or stuck)
+        # a life stuck in one step that long is killed all the same
+        return pid == str(self.pid) and (self.step() > self.killed_at_step or stuck)
 
     def kill(self, force: bool = False) -> bool:
         """SIGKILL the trainer mid-step (False while no life runs or the running one is in its first step,
@@ -130,6 +133,8 @@ class TrainerLives:
             self.killed_at_step = self.step()
             wait_for(lambda: not alive(self.pid), 30, "the killed trainer gone")  # type: ignore[arg-type]
             self.kills += 1
+            with open(self.workdir / "kills.log", "a") as log:  # when each life ended, for the timeline
+                log.write(f"{time.time():.3f} {self.killed_at_step}\n")
         if not force:
             self.tick()  # restarted from its checkpoint at once, as a preempted job rescheduled
         return True
@@ -172,7 +177,9 @@ class FaultClock:
 
 def _trainer_config(cfg: ChaosConfig, services: Services, round_no: int, prompt_file: Path) -> dict[str, Any]:
     engine = urlparse(services.engine.url)
-    return {"steps": cfg.prompts * cfg.epochs // cfg.batch, "train_s": cfg.train_s, "args": {
+    steps = cfg.prompts * cfg.epochs // cfg.batch
+    return {"steps": steps, "train_s": cfg.train_s, "seed": f"{cfg.seed}/{round_no}",
+            "skip_checkpoint_p": cfg.skip_checkpoint_p, "args": {
         "rollout_buffer_url": services.proxy_url, "rollout_task_type": "math", "prompt_data": str(prompt_file),
         "n_samples_per_prompt": cfg.repeats, "rollout_batch_size": cfg.batch, "num_epoch": cfg.epochs,
         "rollout_num_process": 16, "hf_checkpoint": str(qwen_tokenizer_dir("qwen2.5")), "loss_mask_type": "qwen",
@@ -182,7 +189,12 @@ def _trainer_config(cfg: ChaosConfig, services: Services, round_no: int, prompt_
         # a preemptible trainer's settings: retry a buffer that restarts every few seconds at once, and a
         # short lease (renewed every third of it while a step runs) so a killed life's batch returns quickly
         "agent_start_rollout_attempts": 200, "agent_start_rollout_backoff_s": 0.05, "agent_lease_s": 3.0,
-        "agent_rollout_run_id": f"chaos-{cfg.seed}-{round_no}", "use_wandb": False}}
+        "agent_rollout_run_id": f"chaos-{cfg.seed}-{round_no}", "use_wandb": False, "num_rollout": steps,
+        # a preemptible deployment's run options: a hung engine call is given up after 1 s and retried
+        # (within the rollout's ROLLOUT_TIMEOUT_S); a rollout whose worker is killed under it is delivered
+        # again up to MAX_TASK_ATTEMPTS times (the default 3 guards against a task that kills its workers,
+        # and would fail rollouts here whose workers a kill every ~2 s took down three times)
+        "agent_start_options": {"engine_timeout_s": ENGINE_CALL_TIMEOUT_S, "max_task_attempts": MAX_TASK_ATTEMPTS}}}
 
 
 def _external_stream(services: Services, base: Path, round_no: int, n: int) -> tuple[RetryingWriter, LeasedReader]:
@@ -224,6 +236,9 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                 injectors = {kind: inject for kind, inject in injectors.items() if kind in cfg.kinds}
             armed = {kind: (cfg.min_gap_s * ARMED_GAP, cfg.max_gap_s * ARMED_GAP) for kind in injectors
                      if kind.startswith(("proxy_", "engine_"))}
+            # a trainer is killed only once it checkpointed since its last kill: tried sooner, so the kills
+            # keep up with the trainer's own pace
+            armed["trainer_kill"] = (cfg.min_gap_s * TRAINER_GAP, cfg.max_gap_s * TRAINER_GAP)
             scheduler = FaultScheduler(cfg.seed, injectors, min_gap_s=cfg.min_gap_s, max_gap_s=cfg.max_gap_s,
                                        gap_s=armed)
             clock = FaultClock(scheduler, cfg.seconds, cfg.finish_s)
@@ -234,6 +249,9 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                 clock.tick(trained=(rounds[0].workdir / STEPS).exists())
                 if clock.started is not None and latest.agents is not None:
                     latest.agents.begin.set()
+                for rnd in rounds:  # a round's agents stop opening sessions once its trainer is done
+                    if rnd.agents is not None and (clock.over() or rnd.lives.done()):
+                        rnd.agents.enough.set()
                 latest.lives.tick()
                 services.supervise()
                 services.sample_memory(clock.elapsed())
@@ -245,6 +263,9 @@ def run_chaos(cfg: ChaosConfig) -> Report:
                     continue
                 time.sleep(0.2)
             clock.stop()
+            for rnd in rounds:
+                if rnd.agents is not None:
+                    rnd.agents.enough.set()
             histories = [_finish_round(cfg, services, r, clock.finish_by()) for r in rounds]
             return check(cfg.seed, clock.elapsed(), scheduler, services, histories, fault_s=cfg.seconds)
     finally:
@@ -302,6 +323,7 @@ def _gateway_agents(cfg: ChaosConfig, services: Services, round_no: int) -> Any:
 
     return GatewayAgents(services.proxy_url, services.engine.url, str(qwen_tokenizer_dir("qwen2.5")),
                          f"gateway-{cfg.seed}-{round_no}", instances=cfg.gateway_instances, repeats=cfg.repeats,
+                         engine_timeout_s=ENGINE_CALL_TIMEOUT_S,
                          deadline_s=cfg.seconds + cfg.finish_s).start()
 
 

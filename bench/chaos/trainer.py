@@ -4,8 +4,11 @@ Run as its own process (`python -m bench.chaos.trainer WORKDIR CONFIG_JSON`) so 
 mid-step. Each step calls `generate_rollout` (leased reads, acks, background lease renewal where the adapter
 has it) through the chaos proxy, checks every Sample it got, appends the step to `steps.jsonl` (what this
 life trained, fsynced), then saves the checkpoint atomically: the data source's resume metadata, the next
-step and the lineage of trained groups. A restarted trainer starts from the checkpoint, as slime does, so
-groups trained after the last checkpoint are lost with the killed life and must be rolled out again.
+step and the lineage of trained groups. Like slime with a `--save-interval`, it skips some checkpoints (a
+seeded `skip_checkpoint_p` of the steps). A restarted trainer starts from the checkpoint, as slime does, so
+groups trained after the last checkpoint are lost with the killed life: the batch it was training comes
+back from the same run; groups already acknowledged (a step after a skipped checkpoint) need a new
+generation of the run.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -69,11 +73,12 @@ def train(workdir: Path, config: dict[str, Any]) -> None:
     args = SimpleNamespace(**config["args"])
     checkpoint = load_checkpoint(workdir)
     buffer = SlimeLikeDataBuffer(copy.deepcopy(checkpoint["metadata"]))
-    life = os.getpid()
+    life, life_began = os.getpid(), time.time()
     first = checkpoint["step"]
+    lineage = list(checkpoint["lineage"])
     for step in range(first, config["steps"]):
         (workdir / IN_STEP).write_text(f"{life} {step} {first}")  # a kill from now on lands mid-step
-        began = time.monotonic()
+        began, began_at = time.monotonic(), time.time()
         output = generate_rollout(args, step, buffer)
         groups = getattr(output, "samples", output)
         time.sleep(config.get("train_s", 0.0))  # the training itself (the batch leased, renewed meanwhile)
@@ -88,12 +93,16 @@ def train(workdir: Path, config: dict[str, Any]) -> None:
                 problems += sample_problems(sample)
         with open(workdir / STEPS, "a") as log:
             log.write(json.dumps({"life": life, "step": step, "groups": trained, "problems": problems,
-                                  "took_s": round(time.monotonic() - began, 2)}) + "\n")
+                                  "took_s": round(time.monotonic() - began, 2), "began": round(began_at, 3),
+                                  "life_began": round(life_began, 3)}) + "\n")
             log.flush()
             os.fsync(log.fileno())
-        checkpoint = {"step": step + 1, "metadata": copy.deepcopy(buffer.get_metadata()),
-                      "lineage": checkpoint["lineage"] + [[e, i] for e, i, _ in trained]}
-        save_checkpoint(workdir, checkpoint)
+        lineage += [[e, i] for e, i, _ in trained]
+        last = step + 1 == config["steps"]
+        if not last and random.Random(f"{config.get('seed', 0)}/{step}").random() < config.get("skip_checkpoint_p", 0):
+            continue
+        save_checkpoint(workdir, {"step": step + 1, "metadata": copy.deepcopy(buffer.get_metadata()),
+                                  "lineage": lineage})
     (workdir / "done").write_text("ok")
 
 

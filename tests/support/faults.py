@@ -132,6 +132,7 @@ class LeasedReader:
     lease_s: float = 600.0
     deadline_s: float = 120.0
     received: list[dict[str, Any]] = field(default_factory=list)
+    finished_keys: list[str] = field(default_factory=list)  # every group key read, filtered ones included
     batches: int = 0
     failures: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
@@ -154,6 +155,7 @@ class LeasedReader:
                 pending_ack = []
                 if answer["success"]:
                     self.received.extend(answer["data"]["data"])
+                    self.finished_keys.extend(answer["data"]["meta_info"].get("finished_group_keys") or [])
                     self.batches += 1
                     pending_ack = [answer["data"]["meta_info"]["batch_id"]]
                     batch_id = uuid.uuid4().hex
