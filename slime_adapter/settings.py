@@ -170,10 +170,11 @@ class AgentRolloutSettings:
       generation of a partial rollout; counted in `rollout/offpolicy_masked_tokens`. (The buffer always
       continues aborted generations, so slime's `--partial-rollout` need not be set.)
     - `lease_s` (`agent_lease_s`): 3600.0. Every read leases its batch: the buffer keeps the groups until this
-      adapter acknowledges them (once their samples are in the data buffer and their keys in its metadata),
-      and a read retried after a lost answer gets the same batch. A lease that runs out (the trainer
-      vanished without restarting) gives the groups back to the buffer; a restarted trainer releases its
-      predecessor's leases at once, so a long lease costs nothing. While a batch is held (read, not yet
+      adapter acknowledges them (with the next step's first read, once slime has trained them; before the
+      step returns on the last step, `num_rollout`), and a read retried after a lost answer gets the same
+      batch. A lease that runs out (the trainer vanished without restarting) gives the groups back to the
+      buffer; a restarted trainer ends its predecessor's leases at once (groups its checkpoint holds are
+      acknowledged, the rest given back), so a long lease costs nothing. While a batch is held (read, not yet
       acknowledged) the adapter renews its lease every `lease_s / 3` (`slime_adapter.lease_renewal`).
     - `loss_mask_verify` (`agent_loss_mask_verify`): "cheap". How records without `turns` check their
       re-rendered tokens: "cheap" invariants, "full" (a second `apply_chat_template(tokenize=True)`

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.chaos.proxy import CUT, DELAY, DROP
 from bench.chaos.scheduler import FaultScheduler
 from bench.chaos.services import Services
@@ -155,7 +157,8 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
               "trainer steps (all lives)": steps, "samples trained (all lives)": sample_count,
               "groups trained (checkpointed)": trained_groups,
               "external writes acknowledged": sum(len(h.acknowledged) for h in rounds),
-              "external records read": sum(sum(h.read.values()) for h in rounds)}
+              "external records read": sum(sum(h.read.values()) for h in rounds),
+              "rollouts written as failed (all runs)": _failed_records(services)}
     for kind in ("api_kill", "redis_kill", "primary_kill", "worker_kill"):
         took = [t for _, k, landed, t in scheduler.history if k == kind and landed]
         if took:  # the kill and the wait until the killed part serves again
@@ -210,6 +213,17 @@ def _check_sessions(history: RoundHistory, flag: Any) -> None:
     flag("agent_gave_up", len(agents.errors), f"{name}: {agents.errors[:1]}")
     flag("agent_gave_up", int(not agents.done.is_set()), f"{name}: the agents had not finished at the deadline "
                                                           f"(retries: {dict(agents.retries)})")
+
+
+def _failed_records(services: Services) -> int:
+    """Records the buffer stored with status `failed`, over every run it still has (-1: could not ask)."""
+    try:
+        with httpx.Client(base_url=services.url, timeout=10) as client:
+            runs = client.get("/runs").json().get("runs", [])
+            return sum(int(client.get(f"/runs/{run}").json().get("records", {}).get("by_status", {})
+                           .get("failed", 0)) for run in runs)
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return -1
 
 
 def _faults(scheduler: FaultScheduler, services: Services, rounds: list[RoundHistory]) -> Counter[str]:

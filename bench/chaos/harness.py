@@ -61,7 +61,8 @@ class ChaosConfig:
     skip_checkpoint_p: float = 0.15  # steps not followed by a checkpoint (slime's --save-interval)
     external_records: int = 120
     gateway: bool = True  # agents (OpenAI SDK) through gateway sessions of an external run
-    gateway_instances: int = 3
+    gateway_instances: int = 3  # at least this many instances (a group of `repeats` sessions each) per round
+    agent_loops: int = 8  # gateway agents at once, opening sessions for as long as the round's trainer trains
     finish_s: float = 180.0  # after the faults stop, how long the last round may take to finish
     min_gap_s: float = 0.8  # seeded gaps between faults of one kind (every kind on its own thread)
     max_gap_s: float = 3.6
@@ -323,7 +324,7 @@ def _gateway_agents(cfg: ChaosConfig, services: Services, round_no: int) -> Any:
 
     return GatewayAgents(services.proxy_url, services.engine.url, str(qwen_tokenizer_dir("qwen2.5")),
                          f"gateway-{cfg.seed}-{round_no}", instances=cfg.gateway_instances, repeats=cfg.repeats,
-                         engine_timeout_s=ENGINE_CALL_TIMEOUT_S,
+                         engine_timeout_s=ENGINE_CALL_TIMEOUT_S, loops=cfg.agent_loops,
                          deadline_s=cfg.seconds + cfg.finish_s).start()
 
 

@@ -32,6 +32,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "as trained (the ack died with the previous session)", "restart_acked_batches"),
     ("restart_handed_groups", "Trained groups of partly trained leased batches handed over when a new trainer "
      "session started", "restart_handed_groups"),
+    ("trained_passed_over", "Groups the trainer named as trained found back in the ready list (their lease ran "
+     "out before the ack), handed over for good unread", "trained_passed_over"),
     ("batches_leased", "Batches read with a lease", "batches_leased"),
     ("batches_acked", "Leased batches acknowledged by their reader", "batches_acked"),
     ("batch_retries", "Reads of a leased batch again by its batch_id (a lost answer)", "batch_retries"),

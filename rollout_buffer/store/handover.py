@@ -94,7 +94,7 @@ async def read_ready(store: Store, run_id: str, max_samples: int | None = None, 
         keys.since_groups(run_id), keys.timed_out(run_id), keys.gsize(run_id), keys.members(run_id),
         keys.leases(run_id), keys.lease_data(run_id), keys.settled(run_id), keys.wake(run_id),
         keys.run_meta(run_id), keys.group_version(run_id), keys.group_generation(run_id), keys.tasks(run_id),
-        keys.closed(run_id), keys.expired_leases(run_id), keys.group_lease(run_id),
+        keys.closed(run_id), keys.expired_leases(run_id), keys.group_lease(run_id), keys.skip(run_id),
     ], [-1 if max_samples is None else max_samples, lease_s if lease_s > 0 else 0, batch_id, time.time(),
         "" if policy_version is None else policy_version, asked_groups])
     kind, raw_info, *groups = reply

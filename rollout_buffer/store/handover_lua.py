@@ -38,13 +38,15 @@ end
 
 # KEYS: 1 ready 2 records 3 handed 4 stats 5 since 6 since_groups 7 timed_out 8 gsize 9 members
 #       10 leases 11 lease_data 12 settled 13 wake 14 meta 15 gversion 16 ggen 17 tasks 18 closed
-#       19 lease_expired 20 glease
+#       19 lease_expired 20 glease 21 skip
 # ARGV: 1 max_samples (-1: no limit) 2 lease_s (0: no lease) 3 batch_id ('' with no lease) 4 now
 #       5 the reader's policy version ('' none: the run's last known one) 6 groups the reader asked for (0: -)
 # First ends due leases. A batch_id whose lease is live is a retry: the same groups, lease renewed
 # ({'retry', lease JSON, groups...}); an acknowledged one answers {'acked', ''}. Otherwise records the
 # reader's policy version and batch size, then pops whole groups from the head of the ready list while
-# they fit in max_samples: a group staler than `max_staleness` is dropped or requeued on the way
+# they fit in max_samples: a group the trainer has trained (in `skip`: it came back from a lease that ran
+# out after the trainer's checkpoint took it in) is handed over for good on the way, unread (counted
+# `trained_passed_over`); a group staler than `max_staleness` is dropped or requeued on the way
 # (`stale_policy`; not with "keep"; a group requeued `max_requeues` times already is dropped) and takes
 # no room. Resets the since-previous-read counters. With a
 # lease the groups stay stored under the batch ({'leased', lease JSON, groups...}); without, they are
@@ -92,7 +94,18 @@ while true do
   local gid = redis.call('LINDEX', KEYS[1], 0)
   if not gid then break end
   local oldest = bound and tonumber(redis.call('HGET', KEYS[15], gid) or '')
-  if oldest and version - oldest > bound then
+  if redis.call('SISMEMBER', KEYS[21], gid) == 1 then
+    -- the trainer's checkpoint holds it (its lease ran out before the ack, which died with the trainer
+    -- that read it): handed over for good, never to a reader again
+    redis.call('LPOP', KEYS[1])
+    redis.call('HDEL', KEYS[20], gid)
+    local n = delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
+    redis.call('SADD', KEYS[3], gid)
+    redis.call('HINCRBY', KEYS[4], 'trained_passed_over', 1)
+    redis.call('HINCRBY', KEYS[4], 'groups_handed', 1)
+    redis.call('HINCRBY', KEYS[4], 'samples_handed', n)
+    redis.call('HINCRBY', KEYS[4], 'groups_consumed', 1)
+  elseif oldest and version - oldest > bound then
     redis.call('LPOP', KEYS[1])
     redis.call('HDEL', KEYS[20], gid)
     local n = delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)

@@ -6,7 +6,7 @@ whole history: every fault kind landed, and every violation count is 0. What the
 fixed: seed 1, a job whose record was written never finished (the rollout's per-epoch counter named a
 variable that no longer existed), so a run stalled once a worker was killed; seed 2 with `--retain-runs 1`,
 a group stalled for the default 600 s job claim after its worker was SIGKILLed (the harness runs the
-server with `--task-lease-s 6`, as an operator with preemptible workers should); seed 3 on the Redis
+server with a short `--task-lease-s`, as an operator with preemptible workers should); seed 3 on the Redis
 Cluster, every gateway turn failed (the session store queued a Lua script on a cluster pipeline, which
 redis-py refuses), so no agent finished a session. The fast restarts of the fork server
 (`bench/chaos/forkserver.py`) found two more: a new API's embedded Redis losing its socket file to the
@@ -18,9 +18,10 @@ Rate: every kind runs on its own thread with seeded gaps of 0.8-3.6 s (proxy and
 for the next request that takes them, at 0.6x those), the 10-minute run's rate: about one fault of each
 kind every 2.2 s, 11 kinds at once. Faults start once the trainer's first step is trained and last 20 s;
 the rounds are smaller than the 10-minute run's (6 prompts x 3 epochs), so the round in flight finishes
-soon after the faults stop. The gateway agents begin when the faults do: a short round's own rollouts may
-all be done by the trainer's first step, and engine faults land only on requests made while they are armed
-(seed 1 once had no engine fault land that way, under the load of a full CI run).
+soon after the faults stop, and two gateway agents run at once instead of eight, for the load of a CI run.
+The gateway agents begin when the faults do: a short round's own rollouts may all be done by the trainer's
+first step, and engine faults land only on requests made while they are armed (seed 1 once had no engine
+fault land that way, under the load of a full CI run).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ EMBEDDED_KINDS = {"api_kill", "worker_kill", "redis_kill", "trainer_kill", "prox
 
 def _short(tmp_path: Path, **knobs: Any) -> ChaosConfig:
     return ChaosConfig(**{"base": tmp_path / "run", "seconds": 20, "prompts": 6, "epochs": 3, "finish_s": 60,
-                          **knobs})
+                          "agent_loops": 2, **knobs})
 
 
 def _assert_clean(report: Report, kinds: set[str]) -> None:

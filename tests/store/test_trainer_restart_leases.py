@@ -13,6 +13,7 @@ import pytest
 from tests.store.test_handover import detail, exported, fill, read
 from tests.support.backends import BACKENDS
 from tests.support.helpers import ServerSpec, make_record, start_run, write_jsonl
+from tests.support.process_tools import wait_for
 
 TASKS = str(Path(__file__).parents[1] / "fixtures" / "tasks")
 SERVER = ServerSpec(args=("--task-dir", TASKS), backends=BACKENDS)
@@ -98,3 +99,24 @@ def test_slimes_instance_id_list_counts_a_leased_trained_group_by_its_epoch(clie
     rest = read(client, run_id, lease_s=600)["data"]["meta_info"]
     assert rest["finished_group_keys"] == ["1:i0"], "epoch 2 is not handed over again; epoch 1 is not skipped"
     assert detail(client, run_id)["leases"]["restart_acked_batches"] == 1
+
+
+def test_a_trained_group_back_from_a_lease_that_ran_out_is_never_read_again(client: httpx.Client,
+                                                                             input_file: Path) -> None:
+    """Found by the chaos run (seed 7, 10 minutes): the trainer's lease ran out (renewals lost while the
+    buffer restarted) after its checkpoint took the groups in, and it was killed before its next read could
+    acknowledge them; the groups sat in the ready list, and the restarted trainer trained them twice (and,
+    its step count fixed, never trained two others)."""
+    run_id = new_run(client, input_file)
+    fill(client, run_id, ["i0", "i1", "i2"], 1)
+    lost = read(client, run_id, num=2, lease_s=0.2)["data"]["meta_info"]
+    assert lost["finished_group_keys"] == ["0:i0", "0:i1"]
+    # the lease runs out and the buffer's sweep (every second) puts its groups back in the ready list
+    wait_for(lambda: detail(client, run_id)["leases"]["lease_expired"] == 1, 10, "the lease expired")
+    assert restart(client, input_file, run_id, 1, skip_groups=["0:i0", "0:i1"])["run_id"] == run_id
+    rest = read(client, run_id, lease_s=600)["data"]["meta_info"]
+    assert rest["finished_group_keys"] == ["0:i2"], "the trained groups are handed over for good, unread"
+    run = detail(client, run_id)
+    assert run["leases"]["trained_passed_over"] == 2 and run["leases"]["lease_expired"] == 1
+    assert run["groups"]["consumed"] == 2 and run["groups"]["ready"] == 0
+    assert exported(client, run_id, "trained_passed_over") == 2

@@ -86,7 +86,7 @@ async def run_detail(run_id: str, request: Request) -> Any:
         "leases": {name: int(stats.get(name, 0)) for name in (
             "batches_leased", "batches_acked", "batch_retries", "lease_expired", "lease_released", "late_acks",
             "late_acks_accepted", "lease_renewals", "leases_reclaimed", "restart_acked_batches",
-            "restart_handed_groups")},
+            "restart_handed_groups", "trained_passed_over")},
         "failures": await failure_summary(state.store.redis, run_id, stats),
         "stats": stats,
     }
