@@ -1,10 +1,12 @@
-"""`python -m bench.chaos [--minutes M] [--seed S] [--cluster] [--redis-wait-replicas N] [--retain-runs N]`:
+"""`python -m bench.chaos [--minutes M] [--seed S] [--cluster] [--redis-wait-replicas N] [--retain-runs N]
+[--workdir DIR]`:
 faults of every kind at random, at once, while a real trainer works; one table at the end, exit 1 on any
 violation (replay it with the printed seed)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -25,15 +27,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failover-window", action="store_true",
                         help="also measure the acknowledged writes a primary kill loses without "
                              "--redis-wait-replicas (and with 1)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the run's files (logs, each round's trainer steps and kills) in this new "
+                             "folder instead of a temporary one")
     args = parser.parse_args(argv)
     wait = args.redis_wait_replicas if args.redis_wait_replicas is not None else (1 if args.cluster else 0)
-    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-        report = run_chaos(ChaosConfig(base=Path(tmp) / "run", seconds=args.minutes * 60, seed=args.seed,
+    with contextlib.ExitStack() as stack:
+        if args.workdir is None:
+            base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chaos-")))
+        else:
+            base = args.workdir
+            base.mkdir(parents=True, exist_ok=False)
+        report = run_chaos(ChaosConfig(base=base / "run", seconds=args.minutes * 60, seed=args.seed,
                                        cluster=args.cluster, wait_replicas=wait, retain_runs=args.retain_runs))
         print(report.table(), flush=True)
         if args.failover_window:
             for replicas in (0, 1):
-                print(run_failover(Path(tmp) / f"failover-{replicas}", wait_replicas=replicas).line(), flush=True)
+                print(run_failover(base / f"failover-{replicas}", wait_replicas=replicas).line(), flush=True)
     return 0 if report.ok else 1
 
 
