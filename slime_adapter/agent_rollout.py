@@ -256,7 +256,7 @@ async def _collect(step: Step, need_groups: int, min_groups: int | None = None) 
         began = time.monotonic()
         error: BaseException | None = None
         message = ""
-        acks = list(state.pending_acks)
+        acks = [b for b in state.pending_acks if b in step.ackable]
         try:
             records, meta, message = await fetch_rollout_data(
                 settings.buffer_url, num, settings.fetch_timeout_s, run_id=state.run_id, lease_s=settings.lease_s,

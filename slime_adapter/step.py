@@ -73,8 +73,12 @@ class Step:
     size_mismatches: int = 0
     drops: DropCounts = field(default_factory=DropCounts)
     dynamic_filter: Any = None
+    # batches of earlier steps, which the trainer has trained: this step's reads acknowledge them; a batch
+    # this step takes in waits for the next step (a trainer killed before then gets it back, not lost)
+    ackable: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        self.ackable = set(self.state.pending_acks)
         self.dynamic_filter = load_filter(self.settings.dynamic_filter_path)
         earlier = (self.data_buffer.get_metadata() or {}).get(self._key)
         if isinstance(earlier, dict):  # this step was interrupted and is being retried: keep what it consumed

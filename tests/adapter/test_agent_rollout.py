@@ -162,6 +162,39 @@ def test_a_step_slower_than_its_lease_keeps_its_groups(server: ServerProcess, in
         assert (after["lease_expired"], after["leased"], after["consumed"]) == (0, 0, 1), after
 
 
+def test_a_batch_is_acknowledged_by_the_next_steps_read_not_by_its_own(server: ServerProcess, input_file: Path,
+                                                                       slime_data_buffer: Any) -> None:
+    """A step whose groups arrive in two reads: its second read does not acknowledge the batch its first read
+    took (a trainer killed while it waits for the rest would lose that group to a new generation of the
+    run); the next step's first read acknowledges both. Found by the chaos run, where killed trainers
+    waiting for their last step's second group made the run roll out a new generation each time."""
+    args = slime_args(server.url, input_file, agent_rollout_run_id="two-reads", fetch_trajectory_retry_times=-1,
+                      agent_fetch_timeout_s=0.3)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 2,
+                "run_id": "two-reads"}
+        assert client.post("/start_rollout", json=body).status_code == 200
+        write_all(server.url, "two-reads", [make_record("i0"), make_record("i0")])
+
+        def leases() -> dict[str, int]:
+            detail = client.get("/runs/two-reads").json()
+            return {**detail["leases"], **detail["groups"]}
+
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(generate_rollout, args, 0, slime_data_buffer())
+            wait_for(lambda: leases()["leased"] == 1, 10.0, "the step holds its first group")
+            time.sleep(1.0)  # reads for the second group go on meanwhile
+            write_all(server.url, "two-reads", [make_record("i1"), make_record("i1")])
+            groups = first.result(timeout=30)
+        assert sorted(g[0].metadata["instance_id"] for g in groups) == ["i0", "i1"]
+        held = leases()
+        assert (held["batches_acked"], held["leased"]) == (0, 2), "both batches wait for the next step"
+        write_all(server.url, "two-reads", [make_record(i) for i in ("i2", "i2", "i3", "i3")])
+        generate_rollout(args, 1, slime_data_buffer())
+        after = leases()
+        assert (after["batches_acked"], after["leased"], after["consumed"]) == (2, 2, 2), after
+
+
 def test_evaluation_without_eval_data_says_what_to_set(input_file: Path, slime_data_buffer: Any) -> None:
     with pytest.raises(ValueError, match="no eval dataset is configured.*--eval-prompt-data"):
         generate_rollout(slime_args("http://127.0.0.1:9", input_file), 0, slime_data_buffer(), evaluation=True)
