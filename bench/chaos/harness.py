@@ -38,7 +38,7 @@ from tests.support.runtime_helpers import arithmetic_rows
 # failover (a replica noticing its primary silent, then elected) plus the rejoin fit in about 2 s
 CLUSTER_NODE_TIMEOUT_MS = 500
 ARMED_GAP = 0.6  # proxy and engine faults wait for a request to take them: armed at 0.6x the gaps
-TRAINER_GAP = 0.4  # the trainer waits for its next checkpoint between kills: tried at 0.4x the gaps
+TRAINER_GAP = 0.3  # the trainer waits for its next checkpoint between kills: tried at 0.3x the gaps
 STUCK_S = 10.0  # a trainer life in one step this long may be killed even at the checkpoint of the last kill
 ENGINE_CALL_TIMEOUT_S = 1.0  # the runs' limit on one engine call (a hang is retried after it)
 MAX_TASK_ATTEMPTS = 20
@@ -57,7 +57,7 @@ class ChaosConfig:
     epochs: int = 6
     repeats: int = 2
     batch: int = 2  # groups per trainer step
-    train_s: float = 0.4  # a step's training time: the window in which a killed trainer holds a leased batch
+    train_s: float = 0.3  # a step's training time: the window in which a killed trainer holds a leased batch
     skip_checkpoint_p: float = 0.05  # steps not followed by a checkpoint (slime's --save-interval)
     external_records: int = 120
     gateway: bool = True  # agents (OpenAI SDK) through gateway sessions of an external run

@@ -32,7 +32,7 @@ from tests.support.redis_cluster import LocalRedisCluster
 TASKS = str(Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "tasks")
 ROLLOUT_TIMEOUT_S = 8.0  # a rollout still unfinished after this long is written as failed (engine calls
 # time out after ENGINE_CALL_TIMEOUT_S and are retried, so a hang costs a retry, not the rollout)
-TASK_LEASE_S = 3.0  # a killed worker's jobs are taken over by another after this long (claims renewed every 1 s)
+TASK_LEASE_S = 2.0  # a killed worker's jobs are taken over by another after this long (claims renewed every third)
 WORKERS = 2  # rollout worker processes: one rolls out while the other restarts
 SESSION_TIMEOUT_S = 20.0  # a gateway session whose agent lost it (its answer cut by a kill) is closed as failed
 
