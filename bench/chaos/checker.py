@@ -159,6 +159,8 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
               "external writes acknowledged": sum(len(h.acknowledged) for h in rounds),
               "external records read": sum(sum(h.read.values()) for h in rounds),
               "rollouts written as failed (all runs)": _failed_records(services)}
+    if services.cluster is not None:
+        counts["primary kills of the trainer run's primary"] = services.restarts.get("primary_kill_of_trainer_run", 0)
     for kind in ("api_kill", "redis_kill", "primary_kill", "worker_kill"):
         took = [t for _, k, landed, t in scheduler.history if k == kind and landed]
         if took:  # the kill and the wait until the killed part serves again

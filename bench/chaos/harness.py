@@ -11,8 +11,9 @@ stop, the last round finishes, and `bench.chaos.checker` reads the whole history
 from __future__ import annotations
 
 import json
-import signal
 import os
+import random
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -225,7 +226,8 @@ def run_chaos(cfg: ChaosConfig) -> Report:
     cluster = None
     if cfg.cluster:
         cluster = LocalRedisCluster(cfg.base / "cluster", replicas=1, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS).start()
-    services = Services(cfg.base, cluster=cluster, wait_replicas=cfg.wait_replicas, retain_runs=cfg.retain_runs)
+    services = Services(cfg.base, cluster=cluster, wait_replicas=cfg.wait_replicas, retain_runs=cfg.retain_runs,
+                        primary_rng=random.Random(f"{cfg.seed}/primary"))
     current: dict[str, Any] = {}
     try:
         with services.running():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import threading
 import time
@@ -92,6 +93,7 @@ class Services:
     restarts: dict[str, int] = field(default_factory=dict)
     api_lock: threading.Lock = field(default_factory=threading.Lock)
     worker_lock: threading.Lock = field(default_factory=threading.Lock)
+    primary_rng: random.Random = field(default_factory=random.Random)  # which primary a kill takes (seeded)
 
     @property
     def data_dir(self) -> Path:
@@ -246,11 +248,15 @@ class Services:
         return True
 
     def kill_primary(self, run_id: Callable[[], str | None]) -> bool:
-        """SIGKILL the primary serving the current run's slot; wait for its replica's promotion, then start
-        the killed node again (it rejoins as a replica)."""
+        """SIGKILL a primary (one of the three at random: the one serving the trainer's run, or the gateway's,
+        the writer's or the run index's); wait for its replica's promotion, then start the killed node again
+        (it rejoins as a replica). Killing the trainer run's primary every time would leave its slot without
+        a primary most of the run (a failover and resync take about 2 s, a kill comes every 2.2 s)."""
         assert self.cluster is not None
         current = run_id()
-        victim = self.cluster.primary_of_key(keys.run_meta(current)) if current else self.cluster.primaries()[0]
+        victim = self.primary_rng.choice(sorted(self.cluster.primaries()))
+        if current and victim == self.cluster.primary_of_key(keys.run_meta(current)):
+            self._restarted("primary_kill_of_trainer_run")
         self.cluster.kill(victim)
         self.cluster.wait_failover(victim)
         self.cluster.restart(victim)
