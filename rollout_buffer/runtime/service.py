@@ -136,7 +136,15 @@ class RolloutRuntime:
             if self.pool is not None:  # this process rolls out too: keep the tokenizer
                 await get_tokenizer(source.name, allow_download=source.allow_download)
             else:  # worker processes (or other hosts) do: prove it loads, in a child process, once per folder
-                await self._check_in_child_once(source.name, source.allow_download)
+                try:
+                    await self._check_in_child_once(source.name, source.allow_download)
+                except (OSError, ValueError):
+                    raise  # the child's own verdict on the tokenizer
+                except Exception as exc:  # the check itself broke (its child, its pipe), not the tokenizer
+                    raise StartRolloutError("tokenizer_path", f"could not check the tokenizer at {name!r} "
+                                            f"({type(exc).__name__}: {exc}); retry the request", 503) from exc
+        except StartRolloutError:
+            raise
         except OSError as exc:
             if not source.local and not source.allow_download:  # a hub name that is not in the local cache
                 denied = tokenizer_unavailable(name)

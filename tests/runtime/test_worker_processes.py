@@ -277,3 +277,42 @@ async def test_a_restarted_api_takes_a_tokenizer_check_from_redis(tmp_path: Path
         assert (qwen_tokenizer_path, tokenizers._version(qwen_tokenizer_path)) in tokenizers._checked
     finally:
         embedded.stop()
+
+
+async def test_a_tokenizer_check_that_breaks_is_a_503_to_retry_not_a_400(tmp_path: Path, qwen_tokenizer_path: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checking child's plumbing failing (the chaos run once met `'NoneType' object has no attribute
+    'writelines'` from it) says nothing about the tokenizer: the trainer is told to retry (503), where a
+    400 made it give up on a good tokenizer. The child's own verdict stays a 400."""
+    from rollout_buffer.runs.lifecycle import StartRolloutError
+    from rollout_buffer.runtime import service, tokenizers
+    from rollout_buffer.settings import Settings
+    from rollout_buffer.store.embedded import EmbeddedRedis
+    from rollout_buffer.store.store import Store
+    from rollout_buffer.tasks.discovery import TaskRegistry
+
+    verdict: list[BaseException] = [AttributeError("'NoneType' object has no attribute 'writelines'")]
+
+    async def child(path: str, *, allow_download: bool = False) -> None:
+        raise verdict[0]
+
+    monkeypatch.setattr(service, "check_tokenizer_in_child", child)
+    embedded = EmbeddedRedis(tmp_path / "redis")
+    url = embedded.start()
+    store = Store.from_url(url)
+    try:
+        tokenizers._checked.clear()
+        tokenizers._cache.pop(qwen_tokenizer_path, None)
+        settings = Settings(workers=0, worker_processes=0, input_root=[Path(qwen_tokenizer_path).parent])
+        runtime = service.RolloutRuntime(store, TaskRegistry(), settings)
+        with pytest.raises(StartRolloutError) as broken:
+            await runtime._check_tokenizer(qwen_tokenizer_path)
+        assert broken.value.status_code == 503 and "retry" in str(broken.value)
+        assert "AttributeError" in str(broken.value)
+        verdict[0] = ValueError("the tokenizer has no chat template")
+        with pytest.raises(StartRolloutError) as refused:
+            await runtime._check_tokenizer(qwen_tokenizer_path)
+        assert refused.value.status_code == 400 and "no chat template" in str(refused.value)
+    finally:
+        await store.close()
+        embedded.stop()
