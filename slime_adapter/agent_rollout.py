@@ -280,6 +280,10 @@ async def _collect(step: Step, need_groups: int, min_groups: int | None = None) 
                 # building, and holding over-sampled groups to the next step, may outlast the lease
                 state.surplus.note_read(read_batch)
                 state.leases.keep(settings.buffer_url, settings.lease_s, state.held_batches)
+                if meta.get("filtered_groups"):
+                    # the buffer replaces a batch's filtered groups from the prompt stream once it is
+                    # acknowledged: this step's next read acknowledges it, or the step may wait for them
+                    step.ackable.add(read_batch)
             try:
                 await asyncio.to_thread(step.accept, records, meta, read_batch)  # the loop keeps renewing
             finally:

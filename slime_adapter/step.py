@@ -74,7 +74,8 @@ class Step:
     drops: DropCounts = field(default_factory=DropCounts)
     dynamic_filter: Any = None
     # batches of earlier steps, which the trainer has trained: this step's reads acknowledge them; a batch
-    # this step takes in waits for the next step (a trainer killed before then gets it back, not lost)
+    # this step takes in waits for the next step (a trainer killed before then gets it back, not lost),
+    # unless the buffer filtered some of its groups (their replacements come with the ack)
     ackable: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:

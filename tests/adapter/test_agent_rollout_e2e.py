@@ -123,7 +123,8 @@ def test_two_steps_then_resume_after_a_buffer_restart(
         ids = [check_group(g, qwen_tokenizer) for g in resumed]
         assert sorted(ids) == sorted(ids1), "the released batch is handed over again, first"
         detail = httpx.get(f"{second.url}/runs/{run_id}").json()
-        assert detail["meta"]["status"] != "superseded" and detail["leases"]["lease_released"] == 1
+        # step 1 read its groups in one batch or two, as they were ready
+        assert detail["meta"]["status"] != "superseded" and detail["leases"]["lease_released"] >= 1
         for step in range(2, len(ROWS) // BATCH):
             ids += [check_group(g, qwen_tokenizer) for g in generate_rollout(args, step, resumed_buffer)]
         assert not set(ids) & set(ids0), "what step 0 trained is never handed out again"
