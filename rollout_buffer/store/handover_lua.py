@@ -170,16 +170,6 @@ for i = 1, #groups do out[#out + 1] = groups[i] end
 return out
 """
 
-# KEYS: 1 leases 2 lease_data 3 settled 4 records 5 gsize 6 members 7 handed 8 stats 9 gversion 10 meta
-#       11 tasks 12 lines 13 skip 14 closed 15 lease_expired 16 glease 17 ready
-# ARGV: 1 batch_id 2 now
-# The body of `ACK_BATCH` (after its shared functions). Ends a lease for good: its groups are deleted
-# and marked handed over, what the reader decided for them (stored with the lease by SET_LEASE_OUTCOME:
-# counters, groups a filter dropped) is counted now, those dropped groups are replaced from the prompt
-# stream, and filtered groups free admission at once. A lease
-# that ran out is acknowledged all the same when nobody took its groups from the ready list since
-# (`reclaim_expired`, counted `late_acks_accepted`); otherwise the ack is refused (`expired`,
-# counted `late_acks`). Returns {outcome, groups, groups added}: acked | already_acked | expired | unknown.
 ACK_FUNCTIONS = """
 -- Ends the live lease `bid` (its JSON `raw`) for good, as ACK_BODY describes; returns (groups, added).
 local function settle_lease(bid, raw, now)
@@ -216,6 +206,16 @@ local function settle_lease(bid, raw, now)
 end
 """
 
+# KEYS: 1 leases 2 lease_data 3 settled 4 records 5 gsize 6 members 7 handed 8 stats 9 gversion 10 meta
+#       11 tasks 12 lines 13 skip 14 closed 15 lease_expired 16 glease 17 ready
+# ARGV: 1 batch_id 2 now
+# The body of `ACK_BATCH` (after its shared functions). Ends a lease for good: its groups are deleted
+# and marked handed over, what the reader decided for them (stored with the lease by SET_LEASE_OUTCOME:
+# counters, groups a filter dropped) is counted now, those dropped groups are replaced from the prompt
+# stream, and filtered groups free admission at once. A lease
+# that ran out is acknowledged all the same when nobody took its groups from the ready list since
+# (`reclaim_expired`, counted `late_acks_accepted`); otherwise the ack is refused (`expired`,
+# counted `late_acks`). Returns {outcome, groups, groups added}: acked | already_acked | expired | unknown.
 ACK_BODY = """
 local bid = ARGV[1]
 local raw = redis.call('HGET', KEYS[2], bid)
