@@ -31,7 +31,8 @@ class FaultScheduler:
     max_gap_s: float = 3.6
     retry_s: float = 0.2
     # kinds with gaps of their own: faults armed for the next request that can take them (proxy, engine)
-    # land some time after they are armed, so they are armed more often to land about as often as the rest
+    # land some time after they are armed, and a trainer kill waits for the trainer's next checkpoint, so
+    # they are tried more often to land about as often as the rest
     gap_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     injected: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)

@@ -15,7 +15,8 @@ restarted every few seconds never answering a `/start_rollout` because each life
 tokenizer again in a child process (regression test: `tests/runtime/test_worker_processes.py`).
 
 Rate: every kind runs on its own thread with seeded gaps of 0.8-3.6 s (proxy and engine faults, armed
-for the next request that takes them, at 0.6x those), the 10-minute run's rate: about one fault of each
+for the next request that takes them, at 0.6x those; trainer kills, which wait for a new checkpoint, at
+0.3x), the 10-minute run's rate: about one fault of each
 kind every 2.2 s, 11 kinds at once. Faults start once the trainer's first step is trained and last 20 s;
 the rounds are smaller than the 10-minute run's (6 prompts x 3 epochs), so the round in flight finishes
 soon after the faults stop, and two gateway agents run at once instead of eight, for the load of a CI run.
