@@ -98,13 +98,8 @@ while true do
     -- the trainer's checkpoint holds it (its lease ran out before the ack, which died with the trainer
     -- that read it): handed over for good, never to a reader again
     redis.call('LPOP', KEYS[1])
-    redis.call('HDEL', KEYS[20], gid)
-    local n = delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
-    redis.call('SADD', KEYS[3], gid)
+    hand_over_groups(KEYS[8], KEYS[9], KEYS[2], KEYS[15], KEYS[3], KEYS[20], KEYS[4], {gid})
     redis.call('HINCRBY', KEYS[4], 'trained_passed_over', 1)
-    redis.call('HINCRBY', KEYS[4], 'groups_handed', 1)
-    redis.call('HINCRBY', KEYS[4], 'samples_handed', n)
-    redis.call('HINCRBY', KEYS[4], 'groups_consumed', 1)
   elseif oldest and version - oldest > bound then
     redis.call('LPOP', KEYS[1])
     redis.call('HDEL', KEYS[20], gid)
@@ -156,14 +151,7 @@ if lease_s > 0 then
   for _, gid in ipairs(gids) do redis.call('HSET', KEYS[20], gid, bid) end
   redis.call('HINCRBY', KEYS[4], 'batches_leased', 1)
 else
-  for _, gid in ipairs(gids) do
-    delete_group(KEYS[8], KEYS[9], KEYS[2], KEYS[15], gid)
-    redis.call('SADD', KEYS[3], gid)
-    redis.call('HDEL', KEYS[20], gid)
-  end
-  redis.call('HINCRBY', KEYS[4], 'groups_handed', #gids)
-  redis.call('HINCRBY', KEYS[4], 'samples_handed', taken)
-  redis.call('HINCRBY', KEYS[4], 'groups_consumed', #gids)
+  hand_over_groups(KEYS[8], KEYS[9], KEYS[2], KEYS[15], KEYS[3], KEYS[20], KEYS[4], gids)
 end
 local out = {kind, cjson.encode(info)}
 for i = 1, #groups do out[#out + 1] = groups[i] end
@@ -174,15 +162,7 @@ ACK_FUNCTIONS = """
 -- Ends the live lease `bid` (its JSON `raw`) for good, as ACK_BODY describes; returns (groups, added).
 local function settle_lease(bid, raw, now)
   local lease = cjson.decode(raw)
-  local samples = 0
-  for _, gid in ipairs(lease['groups']) do
-    samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
-    redis.call('SADD', KEYS[7], gid)
-    redis.call('HDEL', KEYS[16], gid)
-  end
-  redis.call('HINCRBY', KEYS[8], 'groups_handed', #lease['groups'])
-  redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
-  redis.call('HINCRBY', KEYS[8], 'groups_consumed', #lease['groups'])
+  hand_over_groups(KEYS[5], KEYS[6], KEYS[4], KEYS[9], KEYS[7], KEYS[16], KEYS[8], lease['groups'])
   redis.call('HINCRBY', KEYS[8], 'batches_acked', 1)
   local filtered = tonumber(lease['filtered'] or 0)
   if filtered > 0 then
@@ -257,15 +237,7 @@ for _, bid in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
       settle_lease(bid, raw, now)
       acked = acked + 1
     elseif #trained > 0 then
-      local samples = 0
-      for _, gid in ipairs(trained) do
-        samples = samples + delete_group(KEYS[5], KEYS[6], KEYS[4], KEYS[9], gid)
-        redis.call('SADD', KEYS[7], gid)
-        redis.call('HDEL', KEYS[16], gid)
-      end
-      redis.call('HINCRBY', KEYS[8], 'groups_handed', #trained)
-      redis.call('HINCRBY', KEYS[8], 'samples_handed', samples)
-      redis.call('HINCRBY', KEYS[8], 'groups_consumed', #trained)
+      hand_over_groups(KEYS[5], KEYS[6], KEYS[4], KEYS[9], KEYS[7], KEYS[16], KEYS[8], trained)
       lease['groups'] = rest
       redis.call('HSET', KEYS[2], bid, cjson.encode(lease))
       handed = handed + #trained

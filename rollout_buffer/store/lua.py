@@ -72,6 +72,20 @@ local function delete_group(k_gsize, k_members, k_records, k_gversion, gid)
   redis.call('HDEL', k_gversion, gid)
   return n
 end
+-- hands groups over for good (a read without a lease, an ack, a restart naming them trained): deleted,
+-- marked handed, no longer under a lease, counted; returns their sample count
+local function hand_over_groups(k_gsize, k_members, k_records, k_gversion, k_handed, k_glease, k_stats, gids)
+  local samples = 0
+  for _, gid in ipairs(gids) do
+    samples = samples + delete_group(k_gsize, k_members, k_records, k_gversion, gid)
+    redis.call('SADD', k_handed, gid)
+    redis.call('HDEL', k_glease, gid)
+  end
+  redis.call('HINCRBY', k_stats, 'groups_handed', #gids)
+  redis.call('HINCRBY', k_stats, 'samples_handed', samples)
+  redis.call('HINCRBY', k_stats, 'groups_consumed', #gids)
+  return samples
+end
 -- records the trainer's policy version; a new one also records how many groups were consumed before it
 -- (the admission rule counts the current version's batch as not consumed yet: it is being trained on)
 local function set_version(k_meta, k_stats, version)
