@@ -236,8 +236,8 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     # a run retention deleted keeps its handed and skip sets under a tombstone (`retention`): it comes back
     handed = await store.handed_groups(run_id)
     # slime's per-id form counts leased groups as handed over: the last batch may be trained, not acked yet
-    trained = (trained_groups(request, handed | await handover.leased_groups(store, run_id))
-               if names_trained_groups(request) else set())
+    leased = await handover.leased_groups(store, run_id) if request.skip_instance_ids else set()
+    trained = trained_groups(request, handed | leased) if names_trained_groups(request) else set()
     if handed and names_trained_groups(request):
         untrained = handed - trained
         if untrained:
