@@ -6,6 +6,7 @@ The buffer is a real `rollout-buffer serve` process whose records the test write
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -63,6 +64,18 @@ def check_sample(sample: Any) -> None:
     assert len(sample.loss_mask) == sample.response_length
     assert sample.rollout_log_probs is None or len(sample.rollout_log_probs) == sample.response_length
     assert 0 < sample.response_length <= len(sample.tokens) and sum(sample.loss_mask) > 0
+
+
+def start_external(client: httpx.Client, input_file: Path, run_id: str) -> None:
+    """An external run of groups of two, records written by the test."""
+    body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 2, "run_id": run_id}
+    assert client.post("/start_rollout", json=body).status_code == 200
+
+
+def lease_state(client: httpx.Client, run_id: str) -> dict[str, int]:
+    """The run's lease counters and group counts, in one dict."""
+    detail = client.get(f"/runs/{run_id}").json()
+    return {**detail["leases"], **detail["groups"]}
 
 
 def write_all(url: str, run_id: str, records: list[dict[str, Any]]) -> None:
@@ -138,15 +151,9 @@ def test_a_step_slower_than_its_lease_keeps_its_groups(server: ServerProcess, in
 
     buffer = SlowBuffer()
     with httpx.Client(base_url=server.url, timeout=10) as client:
-        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 2,
-                "run_id": "slow-step"}
-        assert client.post("/start_rollout", json=body).status_code == 200
+        start_external(client, input_file, "slow-step")
         write_all(server.url, "slow-step", [make_record("i0"), make_record("i0")])
-
-        def run_state() -> dict[str, int]:
-            detail = client.get("/runs/slow-step").json()
-            return {**detail["leases"], **detail["groups"]}
-
+        run_state = functools.partial(lease_state, client, "slow-step")
         with ThreadPoolExecutor(1) as pool:
             step = pool.submit(generate_rollout, args, 0, buffer)
             wait_for(lambda: run_state()["leased"] == 1, 10.0, "the step holds the group")
@@ -171,15 +178,9 @@ def test_a_batch_is_acknowledged_by_the_next_steps_read_not_by_its_own(server: S
     args = slime_args(server.url, input_file, agent_rollout_run_id="two-reads", fetch_trajectory_retry_times=-1,
                       agent_fetch_timeout_s=0.3)
     with httpx.Client(base_url=server.url, timeout=10) as client:
-        body = {"task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 2,
-                "run_id": "two-reads"}
-        assert client.post("/start_rollout", json=body).status_code == 200
+        start_external(client, input_file, "two-reads")
         write_all(server.url, "two-reads", [make_record("i0"), make_record("i0")])
-
-        def leases() -> dict[str, int]:
-            detail = client.get("/runs/two-reads").json()
-            return {**detail["leases"], **detail["groups"]}
-
+        leases = functools.partial(lease_state, client, "two-reads")
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(generate_rollout, args, 0, slime_data_buffer())
             wait_for(lambda: leases()["leased"] == 1, 10.0, "the step holds its first group")
