@@ -164,7 +164,7 @@ def test_limits_read_from_run_options() -> None:
     assert limits == Limits(cpu_s=30, memory_bytes=512 << 20, open_files=256, file_size_bytes=10 << 20,
                             output_bytes=64 << 10)
     assert Limits.from_options({"memory_mb": None}).memory_bytes is None and Limits.from_options(None) == Limits()
-    for bad, reason in (({"memory_mb": 0}, "memory_mb"), ({"cpu_s": 1.5}, "cpu_s"), ({"disk_mb": 1}, "unknown"),
+    for bad, reason in (({"memory_mb": 0}, "memory_mb"), ({"cpu_s": 1.5}, "cpu_s"), ({"disk_space": 1}, "unknown"), ({"pids": 0}, "pids"), ({"cpus": 0}, "cpus"),
                         ({"output_kb": None}, "output_kb")):
         with pytest.raises(ValueError, match=reason):
             Limits.from_options(bad)
