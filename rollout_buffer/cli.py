@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="URL prefix the server may call or hand a task module: engines, a slime-style "
                               "module's remote_buffer_url, /init server_url and its callback (repeatable; "
                               "default: any; the list: rollout_buffer/security/outbound.py)")
+    network.add_argument("--agent-sandbox", action="append", metavar="NAME",
+                         help="enable agent_command runs in this sandbox backend: bwrap, docker, local (isolates "
+                              "nothing: trusted agents only) or package.module:factory (repeatable; the first is a "
+                              "run's default; default: none, agent commands are refused 403)")
     network.add_argument("--max-tasks-per-run", type=int,
                          help="largest lines x num_epoch x num_repeat_per_sample of one run (default 10000000)")
 
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--allow-url", action="append",
                         help="URL prefix this worker's rollouts may call (repeatable; default: any): a run whose "
                              "engines lie outside is left alone, as `serve --allow-url` refuses it")
+    worker.add_argument("--agent-sandbox", action="append", metavar="NAME",
+                        help="sandbox backend this worker's agent_command rollouts may use (repeatable; as "
+                             "`serve --agent-sandbox`; default: none, agent commands fail)")
 
     sub.add_parser("status", help="show runs, progress and rates of a running buffer (--watch to follow)",
                    add_help=False)

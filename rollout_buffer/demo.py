@@ -107,7 +107,9 @@ def own_server(workdir: Path, tokenizer_path: str) -> Iterator[str]:
         # the prompts and the tokenizer live outside the current directory: name them as input roots
         server = subprocess.Popen([sys.executable, "-m", "rollout_buffer.cli", "serve", "--port", str(port),
                                    "--data-dir", str(workdir / "data"), "--log-level", "warning",
-                                   "--input-root", str(workdir), "--input-root", tokenizer_path],
+                                   "--input-root", str(workdir), "--input-root", tokenizer_path,
+                                   # the demo's agent is this package's own script, on this machine
+                                   "--agent-sandbox", "local"],
                                   stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(url, server, 30)

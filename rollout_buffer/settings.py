@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -12,6 +13,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MAX_TASKS_PER_RUN = 10_000_000
 MAX_DEFAULT_WORKER_PROCESSES = 8
+AGENT_SANDBOXES = ("bwrap", "docker", "local")  # built-in backends (rollout_buffer.agents.sandbox.BACKENDS)
 
 
 def default_worker_processes() -> int:
@@ -81,6 +83,9 @@ class Settings(BaseSettings):
     allow_hub_downloads: bool = False
     # Largest task count (input lines x num_epoch x num_repeat_per_sample) one run may enqueue.
     max_tasks_per_run: int = Field(default=DEFAULT_MAX_TASKS_PER_RUN, ge=1)
+    # Sandbox backends `agent_command` runs may use (README "Running agents safely"): bwrap, docker, local or
+    # "pkg.module:factory". Empty (the default): agent commands are off, and such a run is refused 403.
+    agent_sandbox: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("task_dir", "input_root", mode="before")
     @classmethod
@@ -111,6 +116,21 @@ class Settings(BaseSettings):
             raise ValueError(f"a Redis Cluster has only database 0; --redis-url {self.redis_url!r} names "
                              f"database {parts.path.strip('/')!r}")
         return self
+
+    @field_validator("agent_sandbox", mode="before")
+    @classmethod
+    def _split_sandboxes(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [u for u in value.replace(",", " ").split() if u]
+        return value
+
+    @field_validator("agent_sandbox")
+    @classmethod
+    def _known_sandboxes(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in AGENT_SANDBOXES and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
+                raise ValueError(f"--agent-sandbox {name!r}: give bwrap, docker, local or 'package.module:factory'")
+        return list(dict.fromkeys(value))
 
     @field_validator("allow_url", mode="before")
     @classmethod

@@ -8,8 +8,12 @@ field) and read by every rollout.
                                                             # template)
               "setup": "pip install -e .",                    # run in the sandbox before the agent
               "timeout_s": 300, "verifier": {"type": "exact_answer"},
-              "sandbox": {"backend": "pkg.module:factory", "options": {}, "limits": {"memory_mb": 4096}},
+              "sandbox": {"backend": "bwrap", "options": {}, "limits": {"memory_mb": 4096}, "pool": 0},
               "max_concurrent_agents": 8, "output_tail_chars": 4000}
+
+`sandbox.backend` is one the server enabled (`--agent-sandbox`; default: the first of them): `bwrap`,
+`docker`, `local` or a "pkg.module:factory". A server that enabled none refuses every agent command (403).
+`sandbox.pool`: sandboxes each worker keeps made ahead (0: none), so a rollout need not wait for one.
 
 Templates are `str.format` fields filled per rollout: `{prompt}`, `{instance_id}`, `{session_id}`,
 `{api_key}`, `{openai_base_url}`, `{anthropic_base_url}`, `{workdir}`, `{home}`. A string command is split
@@ -21,12 +25,13 @@ from __future__ import annotations
 import json
 import shlex
 import string
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.agents.sandbox import Limits, load_factory
+from rollout_buffer.agents.sandbox import Limits, factory_path, load_factory
 from rollout_buffer.agents.verifiers import Verifier, verifier_from
-from rollout_buffer.tasks.contract import InvalidSample
+from rollout_buffer.tasks.contract import InvalidSample, ServerFacts
 
 FIELDS = ("prompt", "instance_id", "session_id", "api_key", "openai_base_url", "anthropic_base_url", "workdir",
           "home")
@@ -38,6 +43,27 @@ _API_ENV = {"anthropic": {"ANTHROPIC_BASE_URL": "{anthropic_base_url}", "ANTHROP
 
 class AgentConfigError(InvalidSample):
     """A bad `agent` option: the field (dotted, under `agent`) and why."""
+
+
+class AgentsNotAllowed(AgentConfigError):
+    """An agent command this server does not allow (agent commands off, or a backend it did not enable)."""
+
+    status_code = 403
+
+
+def choose_backend(wanted: Any, server: ServerFacts) -> str:
+    """The run's backend among the server's enabled ones (its first by default); AgentsNotAllowed otherwise."""
+    enabled = server.agent_sandboxes
+    if not enabled:
+        raise AgentsNotAllowed("agent", "agent commands are off on this server: an agent command runs code on its "
+                                        "hosts, so the operator enables it with `serve --agent-sandbox bwrap` (or "
+                                        "docker, or local for trusted agents; README 'Running agents safely')")
+    if wanted is None:
+        return enabled[0]
+    if not isinstance(wanted, str) or factory_path(wanted) not in {factory_path(name) for name in enabled}:
+        raise AgentsNotAllowed("agent.sandbox.backend", f"{wanted!r} is not enabled on this server (enabled: "
+                                                        f"{', '.join(enabled)}; serve --agent-sandbox NAME)")
+    return wanted
 
 
 def _check_template(text: str, where: str) -> str:
@@ -66,9 +92,10 @@ class AgentConfig:
     timeout_s: float
     setup_timeout_s: float
     verifier: Verifier
-    backend: str | None
+    backend: str
     sandbox_options: dict[str, Any]
     limits: Limits
+    pool: int
     max_concurrent_agents: int | None
     output_tail_chars: int
     raw: dict[str, Any] = field(default_factory=dict)
@@ -87,8 +114,26 @@ def _number(raw: dict[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
-def parse(options: dict[str, Any]) -> AgentConfig:
-    """The run's `agent` options (the /start_rollout body's extra fields) -> AgentConfig, or AgentConfigError."""
+def _check_binds(binds: Any, server: ServerFacts) -> None:
+    """Host folders a run mounts into its sandboxes (read-only) must lie under the server's input roots: the
+    operator's published folders, never its data dir or home."""
+    if binds is None:
+        return
+    if not isinstance(binds, list) or not all(isinstance(b, str) and b.startswith("/") for b in binds):
+        raise AgentConfigError("agent.sandbox.options.ro_binds", "must be a list of absolute host paths")
+    roots = [Path(r).resolve() for r in server.input_roots]
+    for bind in binds:
+        real = Path(bind).resolve()
+        if not any(real == root or root in real.parents for root in roots):
+            raise AgentsNotAllowed("agent.sandbox.options.ro_binds", f"{bind!r} is not under an input root of this "
+                                                                     "server (--input-root)")
+
+
+def parse(options: dict[str, Any], server: ServerFacts) -> AgentConfig:
+    """The run's `agent` options (the /start_rollout body's extra fields) -> AgentConfig, or AgentConfigError
+    (AgentsNotAllowed, a 403, for a backend `server` does not enable)."""
+    if not server.agent_sandboxes:
+        choose_backend(None, server)  # refused (403) before anything about the options is said
     raw = options.get("agent")
     if not isinstance(raw, dict):
         raise AgentConfigError("agent", "an agent_command run needs an 'agent' object with at least 'command'")
@@ -135,14 +180,20 @@ def parse(options: dict[str, Any]) -> AgentConfig:
     if setup is not None and not isinstance(setup, str):
         raise AgentConfigError("agent.setup", "must be a shell command line")
     sandbox = raw.get("sandbox") or {}
-    if not isinstance(sandbox, dict) or set(sandbox) - {"backend", "options", "limits"}:
-        raise AgentConfigError("agent.sandbox", "must be an object with backend, options, limits")
-    backend = sandbox.get("backend")
-    if backend is not None:
-        try:
-            load_factory(str(backend))
-        except ValueError as exc:
-            raise AgentConfigError("agent.sandbox.backend", str(exc)) from exc
+    if not isinstance(sandbox, dict) or set(sandbox) - {"backend", "options", "limits", "pool"}:
+        raise AgentConfigError("agent.sandbox", "must be an object with backend, options, limits, pool")
+    backend = choose_backend(sandbox.get("backend"), server)
+    try:
+        load_factory(backend)
+    except ValueError as exc:
+        raise AgentConfigError("agent.sandbox.backend", str(exc)) from exc
+    pool = sandbox.get("pool", 0)
+    if isinstance(pool, bool) or not isinstance(pool, int) or not 0 <= pool <= 64:
+        raise AgentConfigError("agent.sandbox.pool", f"must be an integer from 0 to 64, got {pool!r}")
+    options_raw = sandbox.get("options") or {}
+    if not isinstance(options_raw, dict):
+        raise AgentConfigError("agent.sandbox.options", "must be an object")
+    _check_binds(options_raw.get("ro_binds"), server)
     try:
         limits = Limits.from_options(sandbox.get("limits"))
     except ValueError as exc:
@@ -161,6 +212,6 @@ def parse(options: dict[str, Any]) -> AgentConfig:
     return AgentConfig(command=command_words, env=env, files=files, setup=setup,
                        timeout_s=_number(raw, "timeout_s", 600.0),
                        setup_timeout_s=_number(raw, "setup_timeout_s", 300.0),
-                       verifier=verifier, backend=str(backend) if backend else None,
-                       sandbox_options=dict(sandbox.get("options") or {}), limits=limits,
+                       verifier=verifier, backend=backend, sandbox_options=dict(options_raw), limits=limits,
+                       pool=pool,
                        max_concurrent_agents=concurrency, output_tail_chars=tail, raw=raw)

@@ -8,7 +8,13 @@ the reward, and in `extra_info["agent"]` the agent's exit status, duration and b
 Failures are records with `status="failed"` and an `error_type`, counted per type in `GET /runs/{id}` and
 `/metrics` like any task's: `agent_timeout`, `agent_exit` (non-zero exit), `setup_failed`,
 `verifier_error`. An infrastructure failure (`SandboxError`: the sandbox could not be made or a command
-could not be started) is retried once with a new sandbox; an agent's own failure never is.
+could not be started) is retried once with a new sandbox; an agent's own failure never is. One that
+persists is `sandbox_error`, marked `extra_info["infrastructure"]`: never a reward, its group is dropped at
+hand-over and counted (`rollout_buffer.runs.reads`).
+
+The agent's key is model-only (its session belongs to the rollout: it cannot finish it; the reward is the
+verifier's). In an isolating sandbox (bwrap, docker) the agent's base URL is the sandbox's own loopback,
+relayed to this session's model endpoints only (`model_relay.py`).
 
 A task module reuses this with its own steps: `rollout = make_rollout(prepare=..., command=..., verify=...)`
 (see `make_rollout`).
@@ -23,15 +29,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_buffer.agents.config import AgentConfig, AgentConfigError, fill, parse
-from rollout_buffer.agents.sandbox import Sandbox, SandboxError, open_sandbox
+from rollout_buffer.agents.pool import Prepared, SandboxPool, prepare
+from rollout_buffer.agents.sandbox import Sandbox, SandboxError
 from rollout_buffer.agents.verifiers import AgentResult, VerifierError, as_verifier, final_text, run_verifier
-from rollout_buffer.tasks.contract import InvalidSample, RolloutContext
+from rollout_buffer.tasks.contract import InvalidSample, RolloutContext, ServerFacts
 
 TASK_TYPE = "agent_command"
 Prepare = Callable[[Sandbox, dict[str, Any], dict[str, str], AgentConfig], Awaitable[None]]
 Command = Callable[[dict[str, Any], dict[str, str], AgentConfig], list[str]]
+INFRASTRUCTURE_ERROR = "sandbox_error"
 _configs: dict[str, AgentConfig] = {}
 _slots: dict[str, asyncio.Semaphore] = {}
+_pools: dict[str, SandboxPool] = {}
 
 
 class StepFailed(Exception):
@@ -42,16 +51,19 @@ class StepFailed(Exception):
         self.error_type = error_type
 
 
-def config_of(options: dict[str, Any]) -> AgentConfig:
-    key = json.dumps(options.get("agent"), sort_keys=True, default=str)
+def config_of(options: dict[str, Any], server: ServerFacts) -> AgentConfig:
+    key = json.dumps([options.get("agent"), server.agent_sandboxes, server.input_roots], sort_keys=True, default=str)
     if key not in _configs:
-        _configs[key] = parse(options)
+        _configs[key] = parse(options, server)
+        while len(_configs) > 256:
+            _configs.pop(next(iter(_configs)))
     return _configs[key]
 
 
-def validate_run(options: dict[str, Any]) -> None:
-    """Refuse a run whose `agent` options are wrong (at /start_rollout, before anything is stored)."""
-    parse(options)
+def validate_run(options: dict[str, Any], server: ServerFacts) -> None:
+    """Refuse a run whose `agent` options are wrong, or that this server does not allow (403: agent commands
+    off, a backend not enabled), at /start_rollout, before anything is stored."""
+    parse(options, server)
 
 
 def validate_sample(sample: dict[str, Any]) -> None:
@@ -105,8 +117,8 @@ def make_rollout(*, prepare: Prepare | None = None, command: Command | None = No
 
     async def rollout(sample: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
         try:
-            config = config_of(ctx.extra.get("options") or {})
-        except AgentConfigError as exc:
+            config = config_of(ctx.extra.get("options") or {}, ctx.server)
+        except AgentConfigError as exc:  # e.g. a worker that does not enable the run's backend
             return _failed(sample, "agent_config", f"{exc.field}: {exc.reason}", {})
         slot = _slot(ctx.run_id, config.max_concurrent_agents)
         async with slot:
@@ -138,14 +150,15 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
     prompt = prompt_text(sample)
     info: dict[str, Any] = {"session_id": session["session_id"]}
     for attempt in (1, 2):
-        sandbox: Sandbox | None = None
+        prepared: Prepared | None = None
         try:
-            sandbox = await open_sandbox(config.backend, name=f"{ctx.run_id}-{sample['instance_id']}",
-                                         limits=config.limits, options=config.sandbox_options)
+            prepared = await _sandbox(ctx, config, session, str(sample["instance_id"]))
+            sandbox = prepared.sandbox
             workdir, home = _places(sandbox)
+            base = prepared.model_url or session["anthropic_base_url"]
             values = {"prompt": prompt, "instance_id": str(sample["instance_id"]), "session_id": session["session_id"],
-                      "api_key": session["api_key"], "openai_base_url": session["openai_base_url"],
-                      "anthropic_base_url": session["anthropic_base_url"], "workdir": workdir, "home": home}
+                      "api_key": session["api_key"], "openai_base_url": f"{base}/v1",
+                      "anthropic_base_url": base, "workdir": workdir, "home": home}
             await steps["prepare"](sandbox, sample, values, config)
             argv = steps["command"](sample, values, config)
             run = await sandbox.exec(argv, timeout_s=config.timeout_s, env=config.environment(values))
@@ -162,8 +175,9 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
             except VerifierError as exc:
                 raise StepFailed("verifier_error", str(exc)) from exc
         except SandboxError as exc:
-            if attempt == 2:
-                raise
+            if attempt == 2:  # not the agent's doing: never a reward; its group is dropped, counted
+                info.update(duration_s=round(time.monotonic() - started, 3), infrastructure=True)
+                return _failed(sample, INFRASTRUCTURE_ERROR, f"the sandbox failed twice: {exc}", info)
             info["infra_retries"] = 1
             ctx.logger.warning("sandbox failure, retrying once with a new sandbox: %s", exc)
             continue
@@ -171,12 +185,32 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
             info["duration_s"] = round(time.monotonic() - started, 3)
             return _failed(sample, exc.error_type, str(exc), info, final=info.get("agent", {}).get("final_text", ""))
         finally:
-            if sandbox is not None:
-                await sandbox.cleanup()
+            if prepared is not None:
+                await prepared.release()
         info["verifier"] = {k: v for k, v in verdict.items() if k != "reward"}
         info["duration_s"] = round(time.monotonic() - started, 3)
         return {"messages": _messages(prompt, agent.final_text), "reward": verdict["reward"], "extra_info": info}
     raise AssertionError("unreachable")
+
+
+async def _sandbox(ctx: RolloutContext, config: AgentConfig, session: dict[str, Any], instance_id: str) -> Prepared:
+    """A sandbox for this rollout (from the run's pool when it keeps one), its relay keyed to this session."""
+    upstream = session["anthropic_base_url"]
+
+    def make() -> Any:
+        return prepare(config.backend, name=f"{ctx.run_id}-{instance_id}", limits=config.limits,
+                       options=config.sandbox_options, upstream=upstream)
+
+    if config.pool:
+        key = json.dumps([ctx.run_id, config.raw], sort_keys=True, default=str)
+        if key not in _pools:
+            _pools[key] = SandboxPool(config.pool, make, lambda: _pools.pop(key, None))
+        prepared = await _pools[key].take()
+    else:
+        prepared = await make()
+    if prepared.relay is not None:
+        prepared.relay.api_key = session["api_key"]
+    return prepared
 
 
 def _places(sandbox: Sandbox) -> tuple[str, str]:

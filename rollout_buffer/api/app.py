@@ -30,7 +30,7 @@ from rollout_buffer.api.upkeep import maintain, supervise_embedded
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.runs.lifecycle import Runtime
 from rollout_buffer.security.access import AccessPolicy
-from rollout_buffer.security.auth import BearerAuth
+from rollout_buffer.security.auth import BearerAuth, SessionKeyScope
 from rollout_buffer.security.redaction import install_redaction
 from rollout_buffer.settings import Settings
 from rollout_buffer.store.embedded import EmbeddedRedis
@@ -56,6 +56,16 @@ def tune_gc() -> None:
     /buffer/write throughput (bench/ingest.py). Reference counting still frees all acyclic garbage at once."""
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
+
+
+def warn_agent_sandboxes(enabled: list[str]) -> None:
+    """Say at start what the enabled agent sandboxes mean: `local` isolates nothing."""
+    if "local" in enabled:
+        log.warning("--agent-sandbox local: agent commands run as this server's user with no isolation (they can "
+                    "read its token, reach its Redis and stop it): for trusted agents on a developer's machine only; "
+                    "use bwrap or docker for anything else (README 'Running agents safely')")
+    elif enabled:
+        log.info("agent commands enabled in sandbox backend(s): %s", ", ".join(enabled))
 
 
 def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory | None = None) -> FastAPI:
@@ -94,6 +104,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
         if embedded is not None and embedded.owner:
             upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
         tune_gc()
+        warn_agent_sandboxes(settings.agent_sandbox)
         log.info("rollout-buffer ready on redis %s%s with tasks %s", display_url(url),
                  " (cluster)" if settings.redis_cluster else "", sorted(registry.tasks))
         try:
@@ -123,6 +134,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     # innermost: single-record writes answered without the framework's routing (inside the limit and auth)
     app.add_middleware(FastWrite)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SessionKeyScope)  # an agent's session key opens the gateway's paths only
     token = settings.resolved_auth_token()
     if token is not None:  # outermost: a request without the token is refused before its body is read
         app.add_middleware(BearerAuth, token=token)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import re
 from collections import Counter
@@ -48,7 +49,7 @@ from rollout_buffer.security.access import AccessDenied, AccessPolicy
 from rollout_buffer.security.outbound import buffer_url_for, checked_engine_urls
 from rollout_buffer.store import handover, keys
 from rollout_buffer.store.store import Store
-from rollout_buffer.tasks.contract import VALIDATE_LINES, InvalidSample
+from rollout_buffer.tasks.contract import VALIDATE_LINES, InvalidSample, ServerFacts
 from rollout_buffer.tasks.discovery import TaskModule, TaskRegistry
 from rollout_buffer.tasks.input_file import InputFileError, iter_lines
 from rollout_buffer.tasks.input_keys import InputKeyError, InputKeys, normalise
@@ -111,7 +112,8 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
     """Check what pydantic cannot: the task exists, the input file is a readable file under the input
     roots (it is replaced by its real path, so every later read opens the file that was checked), every
     engine URL is one the server may call, and a slime-style module's buffer URL is the server's own
-    (`own_url`) or one `--allow-url` allows (`rollout_buffer.security.outbound`). `access` defaults to the current
+    (`own_url`) or one `--allow-url` allows (`rollout_buffer.security.outbound`), for every task kind: a
+    native task's agents get it as their base URL. `access` defaults to the current
     directory as the only root."""
     task = registry.get(request.task_type)
     if task is None:
@@ -123,9 +125,11 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
     try:
         request.input_file = access.input_file(request.input_file)
         checked_engine_urls(access, request.remote_engine_url)
-        if task.kind == "legacy":  # the module is handed the URL with the run's write key in it
+        # a legacy module is handed the URL with the run's write key in it; a native one hands it to the agents
+        # of its `ctx.session()` with their session keys: either way it is the server's own or an allowed one
+        if task.kind == "legacy" or request.remote_buffer_url:
             request.remote_buffer_url = buffer_url_for(access, request.remote_buffer_url, own_url)
-        elif own_url and not request.remote_buffer_url:  # where a rollout's `ctx.session()` agent calls in
+        elif own_url:
             request.remote_buffer_url = own_url
     except AccessDenied as exc:
         raise StartRolloutError(exc.field, str(exc), exc.status_code) from exc
@@ -140,7 +144,7 @@ def activates(request: StartRolloutRequest) -> bool:
     return bool(value)
 
 
-def check_input_lines(request: StartRolloutRequest, task: TaskModule) -> None:
+def check_input_lines(request: StartRolloutRequest, task: TaskModule, server: ServerFacts | None = None) -> None:
     """Refuse an input file the task cannot read, before anything is stored: every line must parse (JSON,
     unique ids), and the first `VALIDATE_LINES` lines, mapped with the run's slime keys
     (`rollout_buffer.tasks.input_keys`), must pass the task's `validate_sample`. A native task's lines are always
@@ -152,9 +156,12 @@ def check_input_lines(request: StartRolloutRequest, task: TaskModule) -> None:
     check_run = task.hook("validate_run")
     if check_run is not None:  # the task's own run options (e.g. agent_command's `agent`)
         try:
-            check_run(dict(request.model_extra or {}))
+            if _takes_server(check_run):
+                check_run(dict(request.model_extra or {}), server or ServerFacts())
+            else:
+                check_run(dict(request.model_extra or {}))
         except InvalidSample as exc:
-            raise StartRolloutError(exc.field, exc.reason) from exc
+            raise StartRolloutError(exc.field, exc.reason, exc.status_code) from exc
     validate = task.validate_sample
     if task.kind != "native" and validate is None:
         return
@@ -172,6 +179,14 @@ def check_input_lines(request: StartRolloutRequest, task: TaskModule) -> None:
                 validate(sample)
         except Exception as exc:  # noqa: BLE001 - a task's check may raise anything; its message is the reason
             raise StartRolloutError("input_file", _line_refusal(request, task, keys, number, line, exc)) from exc
+
+
+def _takes_server(hook: Any) -> bool:
+    """Whether a `validate_run` hook takes the server's facts as a second argument."""
+    try:
+        return len(inspect.signature(hook).parameters) >= 2
+    except (TypeError, ValueError):
+        return False
 
 
 def _line_refusal(request: StartRolloutRequest, task: TaskModule, keys: InputKeys, number: int,
@@ -229,7 +244,9 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
         raise StartRolloutError(exc.field, exc.message) from exc
     if runtime is not None:
         await runtime.check(request, task)
-    await asyncio.to_thread(check_input_lines, request, task)
+    server = ServerFacts(agent_sandboxes=access.agent_sandboxes if access is not None else (),
+                         input_roots=tuple(str(r) for r in access.roots) if access is not None else ())
+    await asyncio.to_thread(check_input_lines, request, task, server)
     base_id = request.run_id or derive_run_id(request)
     run_id, generation = await _current_generation(store, base_id)
     exists = await store.run_exists(run_id)

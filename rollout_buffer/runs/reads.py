@@ -42,6 +42,16 @@ from rollout_buffer.wire.versions import record_version, staleness_summary
 log = logging.getLogger(__name__)
 
 
+INFRASTRUCTURE_DROP = "sandbox_error"
+
+
+def _infrastructure_failure(record: dict[str, Any]) -> bool:
+    """A member that failed for the infrastructure's sake (its sandbox could not run), not the policy's: its
+    reward-0 would teach the policy something it did not do (`rollout_buffer.agents.task`)."""
+    info = record.get("extra_info")
+    return record.get("status") == "failed" and isinstance(info, dict) and info.get("infrastructure") is True
+
+
 def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_valid_group_size: int,
                  dynamic: group_filter.GroupFilter | None = None,
                  ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, list[dict[str, Any]]]]:
@@ -62,6 +72,10 @@ def _apply_hooks(batch: ReadBatch, task: TaskModule | None, task_type: str, min_
         if items and all(item.get("status") == "failed" for item in items):
             failed.append(group.instance_id)
         temp_data.setdefault(group.instance_id, []).extend(items)
+        if any(_infrastructure_failure(item) for item in items):  # never a reward: dropped, counted, replaced
+            dropped_by[INFRASTRUCTURE_DROP] += 1
+            filtered.append(group.instance_id)
+            continue
         if dynamic is not None:
             try:
                 reason = dynamic.judge(group.instance_id, items, min_valid_group_size, task_type)

@@ -36,7 +36,7 @@ from rollout_buffer.runtime.policy_clock import PolicyClock
 from rollout_buffer.runtime.records import failure_record, success_record
 from rollout_buffer.runtime.sglang_client import GenerateClient
 from rollout_buffer.store.store import Store
-from rollout_buffer.tasks.contract import EngineClient, RolloutContext
+from rollout_buffer.tasks.contract import EngineClient, RolloutContext, ServerFacts
 from rollout_buffer.tasks.discovery import TaskModule
 from rollout_buffer.tasks.input_keys import InputKeys, normalise, prompt_messages
 from rollout_buffer.wire.schema import StartRolloutRequest
@@ -60,6 +60,7 @@ class RunHandle:
     queue: JobQueue
     failures: FailureLog | None = field(default=None)
     clock: PolicyClock | None = field(default=None)
+    server: ServerFacts = field(default_factory=ServerFacts)  # this worker's `--agent-sandbox` and input roots
 
     def __post_init__(self) -> None:
         if self.failures is None:
@@ -154,7 +155,7 @@ async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session
         engine=client, tokenizer=handle.tokenizer, sampling_params=dict(handle.options.sampling_params),
         attempt=attempt, logger=logger, run_id=handle.run_id, uid=uid, instance_id=job.instance_id,
         epoch=job.epoch, repeat=job.repeat, task_type=handle.task.task_type,
-        extra={"options": handle.options.extra}, line=line,
+        extra={"options": handle.options.extra}, line=line, server=handle.server,
     )
     gateway = RolloutSession(store=store, run_id=handle.run_id, uid=uid, attempt=attempt,
                              instance_id=job.instance_id, epoch=job.epoch,

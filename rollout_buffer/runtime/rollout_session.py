@@ -3,8 +3,10 @@ the rollout's process and speaks OpenAI or Anthropic (an SDK loop, a framework) 
 
 The session is created straight in Redis (the worker may run on any host; any API process serves it) and
 belongs to the rollout: its id derives from the rollout's uid and attempt, it is not on the idle clock,
-and it is never finished into a record of its own. When the rollout returns, its record takes the
-session's turns (the engine's exact ids), and the session is closed.
+and it is never finished into a record of its own. Its key is model-only (`scope="model"`): it opens the
+session's `/v1/*` endpoints and nothing else, so the agent holding it cannot finish the session or set a
+reward. When the rollout returns, its record takes the session's turns (the engine's exact ids), and the
+session is closed.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class RolloutSession:
             sessions = SessionStore(self.store)
             await sessions.create(self.run_id, self.session_id, instance_id=self.instance_id, epoch=self.epoch,
                                   group_size=1, key_digest=digest, metadata={"rollout_uid": self.uid},
-                                  idle_clock=False)
+                                  idle_clock=False, scope="model")
             base = self.buffer_url.rstrip("/")
             self.opened = {"session_id": self.session_id, "api_key": api_key, "openai_base_url": f"{base}/v1",
                            "anthropic_base_url": base}

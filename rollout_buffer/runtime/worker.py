@@ -42,6 +42,7 @@ from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.discovery import TaskRegistry
+from rollout_buffer.tasks.contract import ServerFacts
 from rollout_buffer.wire.schema import StartRolloutRequest
 from rollout_buffer.wire.versions import as_version
 
@@ -93,15 +94,17 @@ async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, 
     if task.kind != "native":
         return None
     options = RunOptions.from_request(request, rollout_timeout_s=settings.rollout_timeout_s)
+    access = AccessPolicy.from_settings(settings)
     try:  # checked at /start_rollout; again here, for a run stored before this process's --allow-url narrowed
-        checked_engine_urls(AccessPolicy.from_settings(settings), request.remote_engine_url)
+        checked_engine_urls(access, request.remote_engine_url)
     except AccessDenied as exc:
         log.error("run %s: not served by this worker: %s", run_id, exc)
         return None
     tokenizer = (await get_tokenizer(options.tokenizer_path, allow_download=settings.allow_hub_downloads)
                  if options.tokenizer_path else None)
+    server = ServerFacts(agent_sandboxes=access.agent_sandboxes, input_roots=tuple(str(r) for r in access.roots))
     return RunHandle(run_id=run_id, request=request, options=options, task=task, tokenizer=tokenizer,
-                     queue=JobQueue(store.redis, run_id))
+                     queue=JobQueue(store.redis, run_id), server=server)
 
 
 @dataclass

@@ -58,6 +58,7 @@ class AccessPolicy:
     roots: tuple[Path, ...]
     allowed_urls: tuple[str, ...] = ()
     allow_hub_downloads: bool = False
+    agent_sandboxes: tuple[str, ...] = ()  # `--agent-sandbox`: the backends agent commands may run in
 
     @classmethod
     def from_settings(cls, settings: Any) -> AccessPolicy:
@@ -66,7 +67,8 @@ class AccessPolicy:
         for url in settings.allow_url:
             _parse_prefix(url)  # a malformed prefix fails at start-up, not on the first request
         return cls(roots=roots, allowed_urls=tuple(settings.allow_url),
-                   allow_hub_downloads=bool(settings.allow_hub_downloads))
+                   allow_hub_downloads=bool(settings.allow_hub_downloads),
+                   agent_sandboxes=tuple(getattr(settings, "agent_sandbox", ()) or ()))
 
     # ----- files --------------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ COOKIE = "rollout_buffer_token"
 ENV_TOKEN = "ROLLOUT_BUFFER_AUTH_TOKEN"
 ENV_TOKEN_FILE = "ROLLOUT_BUFFER_AUTH_TOKEN_FILE"
 SAFE_METHODS = frozenset({"GET", "HEAD"})
+SESSION_KEY_PREFIX = b"sk-rb-"  # rollout_buffer.security.session_keys.KEY_PREFIX
 
 
 def token_from_environment() -> str | None:
@@ -120,6 +121,36 @@ def cookie_value(header: bytes | None, name: str = COOKIE) -> bytes | None:
         if key == name.encode():
             return value
     return None
+
+
+class SessionKeyScope:
+    """ASGI middleware: a request carrying a gateway session key (`sk-rb-...`) reaches the gateway's paths
+    (`GATEWAY_PREFIXES`) and nothing else, with or without a server token: such a key is an agent's, and an
+    agent opens its session's model endpoints only (the routes check which session; a rollout's key cannot
+    even finish its own). 403 for anything else, before the route runs."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not route_path(scope).startswith(GATEWAY_PREFIXES) and _has_session_key(scope):
+            body = orjson.dumps({"success": False, "message": "a session API key opens its session's model "
+                                                              "endpoints (/v1/*) only"})
+            await send({"type": "http.response.start", "status": 403,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+def _has_session_key(scope: Scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"x-api-key" and value.strip().startswith(SESSION_KEY_PREFIX):
+            return True
+        if name == b"authorization" and value[:7].lower() == _BEARER and value[7:].strip().startswith(SESSION_KEY_PREFIX):
+            return True
+    return False
 
 
 class BearerAuth:

@@ -61,6 +61,9 @@ class Session:
     created_at: float
     metadata: dict[str, Any]
     status: str
+    # "model": a rollout's own session, whose key opens its model endpoints only (its agent cannot finish it:
+    # the reward is the verifier's); "full": an external run's, whose client finishes it with the key
+    scope: str = "full"
 
     @property
     def is_open(self) -> bool:
@@ -117,7 +120,8 @@ class SessionStore:
         return self._facts.get(session_id)
 
     async def create(self, run_id: str, session_id: str, *, instance_id: str, epoch: int | None, group_size: int,
-                     key_digest: str, metadata: dict[str, Any], idle_clock: bool = True) -> Session:
+                     key_digest: str, metadata: dict[str, Any], idle_clock: bool = True,
+                     scope: str = "full") -> Session:
         """Store a new open session; without `epoch`, the instance's k-th session joins epoch
         `(k - 1) // group_size`, so sessions fill groups in order. AdmissionClosed when it would start a group
         the staleness bound does not admit now. `idle_clock=False`: never finished by the
@@ -130,9 +134,9 @@ class SessionStore:
                                   f"epoch {epoch}); retry after the trainer has read")
         epoch = int(epoch)
         now = time.time()
-        session = Session(session_id, run_id, instance_id, epoch, key_digest, now, metadata, OPEN)
+        session = Session(session_id, run_id, instance_id, epoch, key_digest, now, metadata, OPEN, scope)
         fields = {"instance_id": instance_id, "epoch": epoch, "key_digest": key_digest, "created_at": now,
-                  "metadata": metadata}
+                  "metadata": metadata, "scope": scope}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.sessions(run_id), session_id, orjson.dumps(fields))
         pipe.hset(keys.session_status(run_id), session_id, OPEN)
@@ -151,7 +155,8 @@ class SessionStore:
             return None
         fields = orjson.loads(raw)
         session = Session(session_id, run_id, fields["instance_id"], int(fields["epoch"]), fields["key_digest"],
-                          float(fields["created_at"]), fields.get("metadata") or {}, text(status) or "")
+                          float(fields["created_at"]), fields.get("metadata") or {}, text(status) or "",
+                          fields.get("scope") or "full")
         self._facts[session_id] = session
         while len(self._facts) > 100_000:
             self._facts.popitem(last=False)

@@ -32,8 +32,10 @@ stored, and refuses the run with a 4xx naming the line number, the file's key an
 those are checked when their rollout runs; one that fails becomes a `failed` record with
 `error_type="InvalidSample"`.
 
-Optional: `validate_run(options: dict) -> None`, given the `/start_rollout` body's extra fields; raise
-`InvalidSample(field, reason)` to refuse the run with a 4xx naming the field (the task's own run options).
+Optional: `validate_run(options: dict) -> None` (or `validate_run(options, server: ServerFacts)`), given the
+`/start_rollout` body's extra fields and what the server allows; raise `InvalidSample(field, reason)` to
+refuse the run with a 4xx naming the field (the task's own run options; `InvalidSample.status_code` may
+raise it to 403 for what the server does not allow). `ctx.server` carries the same facts in a rollout.
 
 What the runtime does for a native module (`rollout_buffer.runtime`):
 
@@ -104,6 +106,8 @@ VALIDATE_LINES = 100
 class InvalidSample(ValueError):
     """A line a task cannot use; `field` is the normalised field (`prompt`, `label`, `tools`, ...)."""
 
+    status_code = 400  # a subclass for what the server does not allow (rather than a bad line) says 403
+
     def __init__(self, field_name: str, reason: str) -> None:
         super().__init__(f"{field_name}: {reason}")
         self.field = field_name
@@ -116,6 +120,14 @@ class HistoryRewriteError(RuntimeError):
 
 class EngineError(RuntimeError):
     """The engine failed after the client's retries (5xx, connection errors, malformed answers)."""
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the server (or the worker) running a task allows: its `--agent-sandbox` backends."""
+
+    agent_sandboxes: tuple[str, ...] = ()
+    input_roots: tuple[str, ...] = ()  # `--input-root`: the only host folders a run may mount into a sandbox
 
 
 @dataclass
@@ -135,6 +147,7 @@ class RolloutContext:
     task_type: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     line: dict[str, Any] = field(default_factory=dict)  # the input line as read, before the key mapping
+    server: ServerFacts = field(default_factory=ServerFacts)
     # opens this rollout's agent gateway session (`session()`); set by the runtime
     session_opener: Callable[[], Awaitable[dict[str, Any]]] | None = None
 

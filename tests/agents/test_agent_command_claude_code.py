@@ -23,7 +23,7 @@ PROBLEMS = [("12 * 12 - 7", 137), ("81 / 9 + 1", 10), ("25 * 4 + 3", 103), ("7 *
             ("100 - 37 * 2", 26), ("15 * 15", 225), ("(3 + 4) * 9", 63), ("144 / 12 * 5", 60)]
 
 
-SERVER = ServerSpec()
+SERVER = ServerSpec(args=("--agent-sandbox", "local"))
 
 
 @pytest.fixture(scope="module")

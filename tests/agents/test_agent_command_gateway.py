@@ -21,7 +21,7 @@ CLAUDE_CODE_EXTRAS = {"thinking": {"type": "adaptive"}, "output_config": {"effor
                       "metadata": {"user_id": "{\"device_id\": \"d\", \"session_id\": \"s\"}"}}
 
 
-SERVER = ServerSpec()
+SERVER = ServerSpec(args=("--agent-sandbox", "local"))
 
 
 def test_a_claude_code_shaped_request_is_answered(server: ServerProcess, rollout_engine: Any,

@@ -22,7 +22,9 @@ from tests.support.process_tools import all_gone
 from tests.support.runtime_helpers import arithmetic_rows, assert_whole_groups, drain, wait_status
 
 
-SERVER = ServerSpec(args=("--task-dir", str(REPO / "tests" / "fixtures" / "agent_tasks")))
+SERVER = ServerSpec(args=("--task-dir", str(REPO / "tests" / "fixtures" / "agent_tasks"), "--agent-sandbox", "local",
+                          "--agent-sandbox", "tests.support.agent_backends:flaky_once",
+                          "--agent-sandbox", "tests.support.agent_backends:always_down"))
 
 
 def _agent(tmp: Path, mode: str = "{instance_id}", **extra: Any) -> dict[str, Any]:
@@ -160,9 +162,14 @@ def test_infrastructure_errors_are_retried_once(client: httpx.Client, server: Se
     detail = wait_status(client, run_id, "finished", timeout_s=60)
     assert detail["tasks"] == {"queued": 0, "running": 0, "done": 0, "failed": 2}
     failures = detail["failures"]["by_type"]
-    assert list(failures) == ["SandboxError"] and failures["SandboxError"]["count"] == 2
-    assert "host unreachable" in failures["SandboxError"]["example"]
+    assert list(failures) == ["sandbox_error"] and failures["sandbox_error"]["count"] == 2
+    assert "host unreachable" in failures["sandbox_error"]["example"]
     assert len(calls.read_text().splitlines()) == 4, "each rollout tried twice, no more"
+    # an infrastructure failure is never a reward (not even 0): the groups are dropped at hand-over, counted
+    read = client.post("/get_rollout_data", json={"run_id": run_id}).json()
+    assert read["data"]["data"] == [], "no reward-0 sample of a sandbox that never ran"
+    meta = read["data"]["meta_info"]
+    assert meta["dynamic_filter"] == {"sandbox_error": 2} and meta["drops"]["sandbox_error"] == 2
 
 
 @pytest.mark.parametrize(("agent", "field"), [
@@ -172,7 +179,7 @@ def test_infrastructure_errors_are_retried_once(client: httpx.Client, server: Se
     ({"command": "x", "api": "grpc"}, "agent.api"),
     ({"command": "x", "env": {"KEY": "{secret}"}}, "agent.env.KEY"),
     ({"command": "x", "verifier": {"type": "magic"}}, "agent.verifier"),
-    ({"command": "x", "sandbox": {"backend": "no.such:thing"}}, "agent.sandbox.backend"),
+    ({"command": "x", "sandbox": {"pool": -1}}, "agent.sandbox.pool"),
     ({"command": "x", "sandbox": {"limits": {"memory_mb": 0}}}, "agent.sandbox.limits"),
     ({"command": "x", "max_concurrent_agents": 0}, "agent.max_concurrent_agents"),
     ({"command": "x", "timeout_s": -1}, "agent.timeout_s"),

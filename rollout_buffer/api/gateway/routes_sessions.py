@@ -113,6 +113,10 @@ async def finish(session_id: str, request: Request) -> Any:
         return refused
     if session is None:
         return error_response(404, f"unknown session {session_id!r}")
+    if kind == "key" and session.scope == "model":
+        await gw.store.incr_stat(run_id, "gateway_finish_refused_model_key")
+        return error_response(403, "this session belongs to a rollout: its key opens its model endpoints (/v1/*) "
+                                   "only; the rollout's verifier sets the reward")
     body = await parse_body_with(request, FinishSession.model_validate_json)
     outcome = await finish_session(gw, session, reward=body.reward, status=body.status, extra_info=body.extra_info)
     if outcome.outcome == "dropped":
