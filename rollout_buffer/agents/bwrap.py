@@ -14,7 +14,8 @@ own). The deadline: `bwrap` dies with its parent, and its pid 1 takes the whole 
 that one process (which the agent cannot see) kills everything the agent started, and `killed` is reported
 only after no process of the sandbox's uid is left. Disk: the tmpfs mounts are bounded by the kernel; the
 work folder and home are host folders, bounded per file (`RLIMIT_FSIZE`) and in total by a watcher that
-kills the command when they pass `limits.disk_mb` (checked every `DISK_CHECK_S`).
+kills the command when they pass `limits.disk_mb` (checked every `DISK_CHECK_S`: a fast writer overshoots by
+what it writes in that time, and each file stays under `disk_mb`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ INSIDE_UID = 1000
 WORK, HOME = "/work", "/home/agent"
 SOCKET_DIR = "/run/rollout-buffer"
 PATH = "/usr/local/bin:/usr/bin:/bin"
-DISK_CHECK_S = 0.2
+DISK_CHECK_S = 0.05
 KILL_WAIT_S = 5.0
 
 
@@ -163,7 +164,8 @@ class BwrapSandbox:
             prefix = ["/usr/bin/python3", "-I", "/run/rollout-buffer-forwarder.py", str(MODEL_PORT),
                       f"{SOCKET_DIR}/{Path(self.model_socket).name}", "--"]
         inside_cwd = cwd if cwd and cwd.startswith("/") else f"{WORK}/{cwd}" if cwd else WORK
-        return [*args, "--chdir", inside_cwd, "--", *prefix, *argv]
+        # the root itself (bwrap's own tmpfs, memory with no size bound) read-only once everything is mounted
+        return [*args, "--remount-ro", "/", "--chdir", inside_cwd, "--", *prefix, *argv]
 
     def _preexec(self) -> None:
         """In the child before `bwrap` starts: limits (inherited by every process of the sandbox), then the
@@ -198,6 +200,8 @@ class BwrapSandbox:
         self._running.add(proc)
         out, err = _Tail(self.limits.output_bytes), _Tail(self.limits.output_bytes)
         stopped_by: str | None = None
+        # a command that starts over the limit (an earlier one filled it) may clean up, not grow
+        disk_cap = max(self.limits.disk_mb << 20, await asyncio.to_thread(self._usage)) if self.limits.disk_mb else 0
         try:
             readers = asyncio.gather(_pump(proc.stdout, out), _pump(proc.stderr, err))
             waiter = asyncio.ensure_future(proc.wait())
@@ -208,7 +212,7 @@ class BwrapSandbox:
                     stopped_by = "deadline"
                     break
                 await asyncio.wait([waiter], timeout=min(left, DISK_CHECK_S))
-                if not waiter.done() and self.limits.disk_mb and await asyncio.to_thread(self._over_disk):
+                if not waiter.done() and disk_cap and await asyncio.to_thread(self._usage, disk_cap) > disk_cap:
                     stopped_by = "disk_mb"
                     break
             killed = await self._kill(proc) if stopped_by else None
@@ -232,16 +236,17 @@ class BwrapSandbox:
                           output_bytes=out.total + err.total,
                           truncated=out.total > len(out.data) or err.total > len(err.data), extra=extra)
 
-    def _over_disk(self) -> bool:
-        total, limit = 0, (self.limits.disk_mb or 0) << 20
+    def _usage(self, stop_above: int | None = None) -> int:
+        """Bytes the work folder and home hold (counting stops once past `stop_above`)."""
+        total = 0
         for sub in ("work", "home"):
             for folder, _dirs, files in os.walk(self.root / sub):
                 for name in files:
                     with contextlib.suppress(OSError):
                         total += os.lstat(os.path.join(folder, name)).st_blocks * 512
-                if total > limit:
-                    return True
-        return False
+                if stop_above is not None and total > stop_above:
+                    return total
+        return total
 
     async def _kill(self, proc: asyncio.subprocess.Process) -> bool:
         """SIGKILL bwrap (its pid 1 in the namespace dies with it, and so does every process there); True once
