@@ -1,5 +1,6 @@
 """Claude Code, unmodified and headless, as an `agent_command` run: installed from the npm registry (cached),
-run in local sandboxes against the gateway backed by the test engine (which answers Claude Code's Bash tool
+run in local and in bwrap sandboxes (no network: its model socket only; the CLI and Node.js mounted read-only)
+against the gateway backed by the test engine (which answers Claude Code's Bash tool
 with a tool call, then the final answer). 8 problems x 2 repeats: every request Claude Code makes is a
 token-exact turn of its rollout's record, its answer reaches the verifier, and the groups reach the adapter."""
 
@@ -14,7 +15,8 @@ import pytest
 
 from slime_adapter.build import build_group_samples
 from tests.support.agents import sandbox_root, start_agent_run
-from tests.support.claude_code import install_claude_code
+from rollout_buffer.agents.bwrap import DEFAULT_ROOT
+from tests.support.claude_code import install_claude_code, readable_by_any_uid
 from tests.support.gateway import assert_one_branch, assert_turns_are_engine_calls, engine_calls_of
 from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.runtime_helpers import assert_whole_groups, drain, wait_status
@@ -23,7 +25,7 @@ PROBLEMS = [("12 * 12 - 7", 137), ("81 / 9 + 1", 10), ("25 * 4 + 3", 103), ("7 *
             ("100 - 37 * 2", 26), ("15 * 15", 225), ("(3 + 4) * 9", 63), ("144 / 12 * 5", 60)]
 
 
-SERVER = ServerSpec(args=("--agent-sandbox", "local"))
+SERVER = ServerSpec(args=("--agent-sandbox", "local", "--agent-sandbox", "bwrap"))
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +34,25 @@ def claude_binary() -> Path:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ["local", "bwrap"])
 def test_claude_code_headless_runs_as_an_agent_command(claude_binary: Path, server: ServerProcess,
                                                        client: httpx.Client, rollout_engine: Any,
                                                        qwen_tokenizer: Any, qwen_tokenizer_path: str,
-                                                       tmp_path: Path) -> None:
+                                                       tmp_path: Path, backend: str) -> None:
     rows = [{"instance_id": f"cc{i}", "prompt": f"What is {expr}?", "label": str(value)}
             for i, (expr, value) in enumerate(PROBLEMS)]
+    install = claude_binary.parents[2]  # <install>/node_modules/.bin/claude
+    if backend == "bwrap":  # the sandbox's uid reads the CLI from a read-only mount
+        install = readable_by_any_uid(install)
+        sandbox = {"backend": "bwrap", "options": {"ro_binds": [str(install)]}}
+    else:
+        sandbox = {"backend": "local", **sandbox_root(tmp_path)}
     agent = {"command": "claude -p {prompt} --output-format json", "api": "anthropic",
-             "env": {"PATH": f"{claude_binary.parent}:{os.defpath}", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
+             "env": {"PATH": f"{install / 'node_modules' / '.bin'}:{os.defpath}",
+                     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"},
              "files": {"~/.claude/settings.json": {"permissions": {"allow": ["Bash"]}}},
              "timeout_s": 240, "max_concurrent_agents": 4, "verifier": {"type": "exact_answer"},
-             "sandbox": sandbox_root(tmp_path)}
+             "sandbox": sandbox}
     answer = start_agent_run(client, server.url, tmp_path, rows, agent, engine_url=rollout_engine.url,
                              tokenizer_path=qwen_tokenizer_path, repeats=2,
                              sampling_params={"max_tokens": 512, "temperature": 1.0})
@@ -74,4 +84,7 @@ def test_claude_code_headless_runs_as_an_agent_command(claude_binary: Path, serv
     for field in ("thinking", "context_management", "output_config", "metadata"):  # accepted, ignored, counted
         assert counters[f"gateway_ignored_fields:{field}"] == 32, field
     assert detail["failures"]["total"] == 0
-    assert list((tmp_path / "sandboxes").iterdir()) == [], "every sandbox was removed"
+    if backend == "bwrap":
+        assert not [p for p in DEFAULT_ROOT.iterdir() if p.name.startswith(run_id)], "every sandbox was removed"
+    else:
+        assert list((tmp_path / "sandboxes").iterdir()) == [], "every sandbox was removed"

@@ -53,3 +53,25 @@ def install_claude_code(version: str = CLAUDE_CODE_VERSION) -> Path:
         if not _works(binary):
             raise RuntimeError(f"{binary} does not run after installing {PACKAGE}@{version}")
         return binary
+
+
+def readable_by_any_uid(install: Path) -> Path:
+    """`install` (a tool's install folder) where any uid can read it: itself when every folder above it is
+    world-readable, else a hard-linked copy in the temp dir (a bwrap sandbox runs as a uid of its own)."""
+    parts = [install, *install.parents]
+    if all(p.stat().st_mode & 0o001 for p in parts):
+        return install
+    target = Path(tempfile.gettempdir()) / "rollout-buffer-tools-readable" / install.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(target.parent, 0o755)
+    with open(target.parent / f".{install.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            staging = Path(tempfile.mkdtemp(prefix=f"{install.name}-", dir=target.parent))
+            copied = subprocess.run(["cp", "-al", f"{install}/.", str(staging)], capture_output=True, text=True)
+            if copied.returncode != 0:  # another filesystem: a plain copy
+                shutil.rmtree(staging, ignore_errors=True)
+                shutil.copytree(install, staging, symlinks=True)
+            os.chmod(staging, 0o755)
+            staging.rename(target)
+    return target
