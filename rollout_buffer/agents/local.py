@@ -1,5 +1,10 @@
 """The local sandbox backend: a fresh folder per rollout and a guarded process group per command.
 
+It isolates nothing (`serve --agent-sandbox local` says so at start): the agent runs as the server's user,
+sees the host's processes and files and network, and can kill its own guard; then `ExecResult.extra` says
+`guard_lost` and `killed` is False, never a claim that its tree was killed. For trusted agents on a
+developer's machine; `bwrap` and `docker` are the backends for a policy under training.
+
 Safe by default: each command runs under `guard.py` (its own session and process group, resource limits,
 a subreaper that kills every descendant at the deadline, on cancel and when the worker dies), with an
 environment built from scratch (PATH, HOME and TMPDIR inside the sandbox, LANG, then exactly what the run
@@ -113,7 +118,13 @@ class LocalSandbox:
             except TimeoutError:
                 _killpg(proc.pid, signal.SIGKILL)  # the guard itself hung: take the whole group down
                 await proc.wait()
-            await asyncio.wait_for(readers, KILL_GRACE_S)
+            try:  # an escaped process (the guard was killed) may hold the pipes open: stop reading them
+                await asyncio.wait_for(readers, KILL_GRACE_S)
+            except TimeoutError:
+                readers.cancel()
+                transport = getattr(proc, "_transport", None)  # close our ends of the pipes it holds
+                if transport is not None:
+                    transport.close()
         except BaseException:
             await self._stop(proc)
             raise
@@ -122,10 +133,16 @@ class LocalSandbox:
         status = _read_status(status_path)
         timed_out = bool(status.get("timed_out")) if status else True
         code = int(status["exit_code"]) if status else (proc.returncode or 137)
+        extra = {k: v for k, v in (status or {}).items() if k in ("signal", "stopped_by", "error")}
+        # the guard kills the tree before it writes its status; with no status, the guard itself was killed
+        # (the agent runs as this user and can do that) and nothing shows its tree is gone
+        if status is None:
+            extra.update(guard_lost=True, killed=False)
+        elif timed_out or status.get("stopped_by"):
+            extra["killed"] = True
         return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out,
                           duration_s=round(time.monotonic() - started, 3), output_bytes=out.total + err.total,
-                          truncated=out.total > len(out.data) or err.total > len(err.data),
-                          extra={k: v for k, v in (status or {}).items() if k in ("signal", "stopped_by", "error")})
+                          truncated=out.total > len(out.data) or err.total > len(err.data), extra=extra)
 
     async def _stop(self, proc: asyncio.subprocess.Process) -> None:
         """Ask the guard to kill everything (SIGTERM), then kill the whole group if it does not exit."""

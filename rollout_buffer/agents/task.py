@@ -166,8 +166,10 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
                                 duration_s=run.duration_s, final_text=final_text(run.stdout), extra=run.extra)
             info["agent"] = _agent_info(agent, run.output_bytes, config.output_tail_chars)
             if agent.timed_out:
+                killed = ("killed with its process tree" if agent.extra.get("killed", True) else
+                          "stopped, but its process tree could not be shown to be gone (guard lost)")
                 raise StepFailed("agent_timeout", f"the agent ran past its {config.timeout_s:g}s budget and was "
-                                                  f"killed with its process tree{_tails(agent)}")
+                                                  f"{killed}{_tails(agent)}")
             if agent.exit_code != 0:
                 raise StepFailed("agent_exit", f"the agent exited {agent.exit_code}{_tails(agent)}")
             try:

@@ -168,3 +168,21 @@ def test_limits_read_from_run_options() -> None:
                         ({"output_kb": None}, "output_kb")):
         with pytest.raises(ValueError, match=reason):
             Limits.from_options(bad)
+
+
+async def test_an_agent_that_kills_its_guard_is_not_reported_killed(tmp_path: Path) -> None:
+    """`local` isolates nothing: an agent may kill its own guard. Then the result never claims its tree was
+    killed (`killed` False, `guard_lost`); a deadline that ends normally does claim it, and then it holds."""
+    box = await _sandbox(tmp_path)
+    escapee = "sleep 97.5"
+    try:
+        lost = await box.exec(["bash", "-c", f"setsid bash -c 'trap \"\" TERM; {escapee}' & sleep 0.3; kill -9 $PPID"],
+                              timeout_s=5)
+        assert lost.extra["guard_lost"] is True and lost.extra["killed"] is False
+        timed = await box.exec(["bash", "-c", "sleep 60"], timeout_s=1)
+        assert timed.timed_out and timed.extra["killed"] is True and "guard_lost" not in timed.extra
+        normal = await box.exec(["true"], timeout_s=5)
+        assert normal.ok and "killed" not in normal.extra
+    finally:
+        await box.cleanup()
+        subprocess.run(["pkill", "-f", escapee], check=False)
