@@ -3,7 +3,9 @@
 A session id is `"{run_id}~{random}"` (`~` never occurs in a run id), so a request names its run without
 a lookup. Its API key is `"sk-rb-{session_id}.{secret}"`: the session id and 32 random hex characters;
 Redis keeps only a SHA-256 digest of the secret, and the check is constant-time. A key opens its own
-session's model endpoints and finish, nothing else.
+session's model endpoints and (an external run's session) its finish, nothing else: a rollout's own session
+(`scope="model"`) refuses its key at finish, and every non-gateway route refuses any session key
+(`rollout_buffer.security.auth.SessionKeyScope`).
 """
 
 from __future__ import annotations
