@@ -53,7 +53,7 @@ def connect(options: dict[str, Any] | None = None) -> aiodocker.Docker:
 
 def engine_error(action: str, exc: BaseException) -> SandboxError:
     """An Engine failure as the infrastructure error it is (never the agent's)."""
-    if isinstance(exc, DockerError):
+    if isinstance(exc, DockerError) and exc.status != 900:  # aiodocker's 900: no connection to the Engine
         return SandboxError(f"docker: cannot {action}: {exc.message} (status {exc.status})")
     return SandboxError(f"docker: cannot {action}: the Docker Engine is unreachable ({type(exc).__name__}: {exc})")
 

@@ -37,7 +37,9 @@ from rollout_buffer.agents.sandbox import MODEL_PORT, ExecResult, Limits, Sandbo
 
 FORWARDER = Path(__file__).with_name("forwarder.py")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-KILL_TRIES = 20
+KILL_BUDGET_S = 15.0  # to kill the agent's processes from inside before the container itself is killed
+# the agent user's processes but the listing shell itself, from the container's own /proc
+_OWN_PIDS = 'for p in /proc/[0-9]*; do [ -O "$p" ] && [ "${p#/proc/}" != $$ ] && echo "${p#/proc/}"; done; true'
 _READY = ("import socket, sys, time\nfor _ in range(200):\n    try:\n        socket.create_connection(('127.0.0.1', "
           f"{MODEL_PORT}), 1).close()\n        sys.exit(0)\n    except OSError:\n        time.sleep(0.05)\nsys.exit(3)")
 
@@ -68,6 +70,7 @@ class DockerSandbox:
         self._docker = None
         self._container: DockerContainer | None = None
         self._closed = False
+        self._stopped = False
 
     def __await__(self):  # noqa: ANN204 - `await DockerSandbox(...)` starts the container
         return self._start().__await__()
@@ -140,6 +143,9 @@ class DockerSandbox:
     def _live(self) -> DockerContainer:
         if self._container is None or self._closed:
             raise SandboxError("docker: the sandbox is closed")
+        if self._stopped:
+            raise SandboxError("docker: the sandbox's container was stopped (its agent's processes could be "
+                               "killed no other way)")
         return self._container
 
     async def _exec_create(self, argv: list[str], *, user: str, workdir: str | None = None,
@@ -220,25 +226,58 @@ class DockerSandbox:
                 await asyncio.shield(self.kill_agent_processes())
             raise
         extra: dict[str, Any] = {"killed": killed} if timed_out else {}
+        if self._stopped:
+            extra["container_stopped"] = True
         return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out,
                           duration_s=round(time.monotonic() - started, 3), output_bytes=out.total + err.total,
                           truncated=out.total > len(out.data) or err.total > len(err.data), extra=extra)
 
     async def agent_pids(self) -> list[int]:
         """The agent user's processes in the container, as the Engine sees them (its `top`, from outside)."""
-        top = await self._live().top(ps_args="-eo pid,uid")
+        try:
+            top = await self._live().top(ps_args="-eo pid,uid")
+        except DockerError as exc:
+            if exc.status != 500:  # 500: the Engine's host cannot run `ps`; ask the container's /proc instead
+                raise
+            code, out, err = await self._run(["sh", "-c", _OWN_PIDS])
+            if code != 0:
+                raise SandboxError(f"docker: cannot list the agent's processes (exit {code}: {err[-300:]!r})") from exc
+            return [int(pid) for pid in out.split()]
         return [int(pid) for pid, uid in top.get("Processes") or [] if int(uid) == self.uid]
 
     async def kill_agent_processes(self) -> bool:
         """Kill every process of the agent user until none is left; True when that was verified."""
-        for _ in range(KILL_TRIES):
+        deadline = time.monotonic() + KILL_BUDGET_S
+        while time.monotonic() < deadline:
             try:
                 if not await self.agent_pids():
                     return True
-                await self._run(["sh", "-c", "kill -s KILL -- -1"])
+                # under a fork bomb the Engine retries the exec until a pid is free: seconds, bounded here
+                await asyncio.wait_for(self._run(["sh", "-c", "kill -s KILL -- -1"]), deadline - time.monotonic())
             except (SandboxError, *engine.ENGINE_ERRORS):
-                return False
+                pass  # no exec could start (every pid taken): tried again, then the container goes
             await asyncio.sleep(0.05)
+        return await self._stop_container()
+
+    async def _stop_container(self) -> bool:
+        """The last resort: kill the container's init, which takes its whole pid namespace down (the sandbox is
+        unusable after: a later command raises SandboxError); True once the Engine reports it stopped."""
+        self._stopped = True
+        if self._container is None:
+            return False
+        try:
+            with contextlib.suppress(DockerError):
+                await self._container.kill(signal="SIGKILL")
+            for _ in range(200):
+                try:
+                    state = (await self._container.show()).get("State") or {}
+                except DockerError as exc:
+                    return exc.status == 404  # removed (AutoRemove): nothing of it runs
+                if not state.get("Running"):
+                    return True
+                await asyncio.sleep(0.05)
+        except engine.ENGINE_ERRORS:
+            pass
         return False
 
     async def cleanup(self) -> None:
