@@ -18,6 +18,7 @@ from aiodocker.exceptions import DockerError
 from aiohttp import web
 
 from rollout_buffer.agents import docker_engine as engine
+from rollout_buffer.agents import docker_sandbox
 from rollout_buffer.agents.docker_sandbox import DockerSandbox
 from rollout_buffer.agents.sandbox import Limits, SandboxError, is_isolated, open_sandbox
 from tests.support.docker_env import DockerEnv, docker_env  # noqa: F401 - the session fixture
@@ -230,6 +231,39 @@ KILL_FORWARDER = textwrap.dedent("""
                 print(type(exc).__name__)
     urllib.request.urlopen("http://127.0.0.1:8765/v1/y", timeout=10).read()
 """)
+
+
+async def test_cancel_kills_the_command_and_lifetime_removes_the_container(docker_env: DockerEnv) -> None:  # noqa: F811
+    box = await _box(docker_env, lifetime_s=4)
+    try:
+        running = asyncio.create_task(box.exec(["bash", "-c", "setsid sleep 300 & sleep 300"], timeout_s=60))
+        await asyncio.sleep(1.0)
+        assert len(await box.agent_pids()) >= 2
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert await box.agent_pids() == [], "a cancelled command leaves nothing running"
+        for _ in range(100):  # the container's main process ends at its lifetime and the container goes
+            if not await _exists(docker_env, box.container_id):
+                break
+            await asyncio.sleep(0.1)
+        assert not await _exists(docker_env, box.container_id), "the container outlived its lifetime"
+    finally:
+        await box.cleanup()
+
+
+async def test_container_is_stopped_when_nothing_can_be_killed_inside(docker_env: DockerEnv,  # noqa: F811
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(docker_sandbox, "KILL_BUDGET_S", 0.0)  # as if every pid stayed taken
+    box = await _box(docker_env)
+    try:
+        run = await box.exec(["bash", "-c", "trap '' TERM; sleep 300"], timeout_s=1)
+        assert run.timed_out and run.extra == {"killed": True, "container_stopped": True}
+        with pytest.raises(SandboxError, match="stopped"):
+            await box.exec(["true"], timeout_s=5)
+    finally:
+        await box.cleanup()
+    assert not await _exists(docker_env, box.container_id)
 
 
 async def test_model_socket_is_the_one_way_out(docker_env: DockerEnv, tmp_path: Path) -> None:  # noqa: F811
