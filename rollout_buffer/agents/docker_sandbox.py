@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import posixpath
 import time
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +71,14 @@ class DockerSandbox:
         self._docker = None
         self._container: DockerContainer | None = None
         self._closed = False
-        self._stopped = False
+        self._stopped = self._stopped_verified = False
+        self._lock = asyncio.Lock()
 
-    def __await__(self):  # noqa: ANN204 - `await DockerSandbox(...)` starts the container
+    def __await__(self) -> Generator[Any, None, DockerSandbox]:
+        """`await DockerSandbox(...)` creates and starts the container (what `open_sandbox` does)."""
         return self._start().__await__()
 
-    async def _start(self) -> "DockerSandbox":
+    async def _start(self) -> DockerSandbox:
         self._docker = engine.connect(self.options)
         try:
             await self._create()
@@ -180,14 +183,16 @@ class DockerSandbox:
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         target = self._path(path)
-        code, _, _ = await self._run(["sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", target],
-                                     stdin=data.encode() if isinstance(data, str) else data)
+        async with self._lock:
+            code, _, _ = await self._run(["sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", target],
+                                         stdin=data.encode() if isinstance(data, str) else data)
         if code != 0:
             raise SandboxError(f"docker: cannot write {path!r} in the sandbox (exit {code})")
 
     async def read_file(self, path: str) -> bytes:
         target = self._path(path)
-        code, data, err = await self._run(["cat", "--", target])
+        async with self._lock:
+            code, data, err = await self._run(["cat", "--", target])
         if code != 0:
             if "No such file" in err:
                 raise FileNotFoundError(f"{path!r} is not in the sandbox")
@@ -196,41 +201,41 @@ class DockerSandbox:
 
     async def exec(self, argv: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
                    cwd: str | None = None) -> ExecResult:
-        full_env = {**self.base_env(), **(env or {})}
-        command = ["env", "-i", *(f"{k}={v}" for k, v in full_env.items()), *argv]
+        """One command at a time (its end kills every process of the agent user, so two would kill each other)."""
+        workdir = self._path(cwd) if cwd else self.work
+        async with self._lock:
+            return await self._exec(argv, timeout_s, {**self.base_env(), **(env or {})}, workdir)
+
+    async def _exec(self, argv: list[str], timeout_s: float, env: dict[str, str], workdir: str) -> ExecResult:
         out, err = _Tail(self.limits.output_bytes), _Tail(self.limits.output_bytes)
         started = time.monotonic()
-        timed_out = False
+        extra: dict[str, Any] = {}
         try:
-            run = await self._exec_create(command, user=self.user, workdir=self._path(cwd) if cwd else self.work)
-            stream = run.start(detach=False)
+            run = await self._exec_create(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv],
+                                          user=self.user, workdir=workdir)
+            async with run.start(detach=False) as stream:
+                try:
+                    await asyncio.wait_for(_pump(stream, out, err), timeout_s)
+                except TimeoutError:
+                    extra["killed"] = await self.kill_agent_processes()
+            code = 137 if extra else await self._exit_code(run)
         except engine.ENGINE_ERRORS as exc:
-            raise engine.engine_error(f"start {argv[:1]!r} in the container", exc) from exc
-        try:
-            try:
-                async with stream:
-                    try:
-                        await asyncio.wait_for(_pump(stream, out, err), timeout_s)
-                    except TimeoutError:
-                        timed_out = True
-                        killed = await self.kill_agent_processes()
-            except engine.ENGINE_ERRORS as exc:
-                raise engine.engine_error(f"run {argv[:1]!r} in the container", exc) from exc
-            if not timed_out:
-                await self.kill_agent_processes()  # what the command left behind dies with it, as on local
-                code = await self._exit_code(run)
-            else:
-                code = 137
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.kill_agent_processes())
+            await self._sweep()
+            raise engine.engine_error(f"run {argv[:1]!r} in the container", exc) from exc
+        except BaseException:  # cancelled: the command dies with the call
+            await self._sweep()
             raise
-        extra: dict[str, Any] = {"killed": killed} if timed_out else {}
+        if not extra:
+            await self._sweep()  # what the command left behind dies with it, as on the local backend
         if self._stopped:
             extra["container_stopped"] = True
-        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out,
+        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out="killed" in extra,
                           duration_s=round(time.monotonic() - started, 3), output_bytes=out.total + err.total,
                           truncated=out.total > len(out.data) or err.total > len(err.data), extra=extra)
+
+    async def _sweep(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.kill_agent_processes())
 
     async def agent_pids(self) -> list[int]:
         """The agent user's processes in the container, as the Engine sees them (its `top`, from outside)."""
@@ -247,6 +252,8 @@ class DockerSandbox:
 
     async def kill_agent_processes(self) -> bool:
         """Kill every process of the agent user until none is left; True when that was verified."""
+        if self._closed or self._stopped:  # removed, or its whole pid namespace is already down
+            return self._stopped_verified
         deadline = time.monotonic() + KILL_BUDGET_S
         while time.monotonic() < deadline:
             try:
@@ -257,7 +264,8 @@ class DockerSandbox:
             except (SandboxError, *engine.ENGINE_ERRORS):
                 pass  # no exec could start (every pid taken): tried again, then the container goes
             await asyncio.sleep(0.05)
-        return await self._stop_container()
+        self._stopped_verified = await self._stop_container()
+        return self._stopped_verified
 
     async def _stop_container(self) -> bool:
         """The last resort: kill the container's init, which takes its whole pid namespace down (the sandbox is
