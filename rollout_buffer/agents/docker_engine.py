@@ -3,9 +3,10 @@
 Everything goes through the Engine's HTTP API (`aiodocker`), never the docker CLI. A sandbox container is
 built to hold the isolation contract of `sandbox.py` by itself: no network (`NetworkMode: none`), a
 read-only root with size-bounded tmpfs for every writable place, no capability, no new privileges, a pid
-limit, memory and CPU limits, an init that reaps orphans, and a main process (`sleep LIFETIME`, as a user
-the agent cannot signal) whose end removes the container (`AutoRemove`), so a container outlives neither
-its deadline nor, through `remove_stale_containers`, the worker life that made it. Labels name every
+limit, memory and CPU limits, an init that reaps orphans, and a main process (`timeout LIFETIME cat`, as a
+user the agent cannot signal) whose end removes the container (`AutoRemove`). That process reads a stdin the
+worker holds attached, so the container goes at its lifetime, at cleanup and as soon as the worker dies
+(its connection closes); `remove_stale_containers` sweeps whatever a worker life still left. Labels name every
 sandbox container (`rollout-buffer.sandbox=1`), its owner, the worker life and its deadline.
 """
 
@@ -105,9 +106,12 @@ def container_spec(*, image: str, limits: Limits, agent: tuple[int, int], work: 
         host["Binds"] = [f"{Path(model_socket).parent}:{MOUNT_DIR}/model:ro", f"{forwarder}:{MOUNT_DIR}/forwarder.py:ro"]
     labels = {LABEL: "1", OWNER_LABEL: owner, LIFE_LABEL: WORKER_LIFE,
               DEADLINE_LABEL: str(int(time.time() + lifetime_s)), "rollout-buffer.name": name[:200]}
-    return {"Image": image, "Entrypoint": ["sleep"], "Cmd": [str(int(lifetime_s))], "User": KEEPER_USER,
-            "WorkingDir": work, "Env": [], "Labels": labels, "NetworkDisabled": True,
-            "AttachStdin": False, "AttachStdout": False, "AttachStderr": False, "Tty": False, "HostConfig": host}
+    # the main process reads the worker's attached stdin: when the worker's end closes (cleanup, or the worker
+    # dies), or at the lifetime, it exits and the container goes (AutoRemove)
+    return {"Image": image, "Entrypoint": ["timeout", str(int(lifetime_s)), "cat"], "Cmd": [], "User": KEEPER_USER,
+            "WorkingDir": work, "Env": [], "Labels": labels, "NetworkDisabled": True, "OpenStdin": True,
+            "StdinOnce": True, "AttachStdin": True, "AttachStdout": False, "AttachStderr": False, "Tty": False,
+            "HostConfig": host}
 
 
 def container_name(name: str) -> str:

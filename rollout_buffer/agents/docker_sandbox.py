@@ -6,7 +6,7 @@ never pulled), `workdir` (default `/app`, Harbor's), `home` (default `/home/agen
 `uid[:gid]`, default `1000:1000`), `lifetime_s` (the container removes itself after it, default 6 h),
 `owner` (see `remove_stale_containers`), `docker_host`.
 
-The image needs `sh`, `env`, `cat`, `mkdir`, `sleep` (any Debian-like base), and `python3` when the run has
+The image needs `sh`, `env`, `cat`, `mkdir`, `timeout` (any Debian-like base), and `python3` when the run has
 a model socket: the forwarder (`forwarder.py`, mounted read-only with the socket's folder at
 `/run/rollout-buffer`) runs on the image's Python and serves `model_url` on the container's own loopback.
 
@@ -73,6 +73,7 @@ class DockerSandbox:
         self._closed = False
         self._stopped = self._stopped_verified = False
         self._lock = asyncio.Lock()
+        self._tether = contextlib.AsyncExitStack()
 
     def __await__(self) -> Generator[Any, None, DockerSandbox]:
         """`await DockerSandbox(...)` creates and starts the container (what `open_sandbox` does)."""
@@ -110,6 +111,8 @@ class DockerSandbox:
         try:
             container = await self._docker.containers.create(spec, name=engine.container_name(self.name))
             self._container, self.container_id = container, container.id
+            # the tether: the main process's stdin; it closes with this client, or with the worker's death
+            await self._tether.enter_async_context(container.attach(stdin=True, stdout=False, stderr=False))
             await container.start()
         except engine.ENGINE_ERRORS as exc:
             raise engine.engine_error(f"create a container of {self.image!r}", exc) from exc
@@ -297,6 +300,8 @@ class DockerSandbox:
 
     async def _teardown(self) -> None:
         try:
+            with contextlib.suppress(Exception):
+                await self._tether.aclose()
             if self._container is not None and self._docker is not None:
                 await _remove(self._docker, self._container)
         finally:

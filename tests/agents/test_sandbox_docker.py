@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import secrets
+import sys
 import textwrap
 from pathlib import Path
 
@@ -155,7 +156,7 @@ async def test_hostile_agent_finds_every_door_shut(docker_env: DockerEnv, tmp_pa
     assert found["internet"] != "connected" and found["dns"] != "resolved"
     assert found["interfaces"] == ["lo"]
     programs = {cmdline.split()[0] for cmdline in found["cmdlines"]}
-    assert programs == {"/sbin/docker-init", "sleep", "python3"}, found["cmdlines"]  # the container's own only
+    assert programs == {"/sbin/docker-init", "timeout", "cat", "python3"}, found["cmdlines"]  # its own only
     assert len(found["pids"]) < 10, "only the container's own processes are visible"
     assert found["secret_path"] is False and found["secret_found"] == []
     assert found["root_write"] == "Read-only file system"
@@ -250,6 +251,30 @@ async def test_cancel_kills_the_command_and_lifetime_removes_the_container(docke
         assert not await _exists(docker_env, box.container_id), "the container outlived its lifetime"
     finally:
         await box.cleanup()
+
+
+WORKER = textwrap.dedent("""
+    import asyncio, json, os, signal, sys
+    from rollout_buffer.agents.sandbox import Limits, open_sandbox
+    async def main():
+        box = await open_sandbox("docker", name="dying-worker", limits=Limits(), options=json.loads(sys.argv[1]))
+        await box.exec(["bash", "-c", "setsid sleep 300 >/dev/null 2>&1 &"], timeout_s=20)
+        print(box.container_id, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # the worker dies without cleaning up
+    asyncio.run(main())
+""")
+
+
+async def test_container_goes_when_its_worker_dies(docker_env: DockerEnv) -> None:  # noqa: F811
+    worker = await asyncio.create_subprocess_exec(sys.executable, "-c", WORKER, json.dumps(docker_env.options()),
+                                                  stdout=asyncio.subprocess.PIPE)
+    container_id = (await worker.stdout.readline()).decode().strip()
+    assert await worker.wait() == -9 and container_id
+    for _ in range(100):
+        if not await _exists(docker_env, container_id):
+            break
+        await asyncio.sleep(0.1)
+    assert not await _exists(docker_env, container_id), "a dead worker's container lives on"
 
 
 async def test_container_is_stopped_when_nothing_can_be_killed_inside(docker_env: DockerEnv,  # noqa: F811
