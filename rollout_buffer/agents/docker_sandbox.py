@@ -15,7 +15,7 @@ LC_ALL). Docker cannot kill an exec, so when a command ends or reaches its deadl
 agent user in the container is killed (`kill -KILL -1` as that user: the container's pid namespace bounds
 it, and the init, main process and forwarder run as another user), then verified gone with the Engine's
 `top`; this mirrors the local backend, whose guard kills every descendant when the command exits. Files
-move through `cat` in the container, because the Engine's archive API cannot write to tmpfs mounts.
+move through `cat` in the container: the Engine's archive API refuses a container with a read-only root.
 """
 
 from __future__ import annotations

@@ -345,6 +345,13 @@ async def test_missing_image_and_unreachable_engine(docker_env: DockerEnv, tmp_p
     with pytest.raises(SandboxError, match="not in the Docker Engine"):
         await open_sandbox("docker", name="x", limits=LIMITS, options=docker_env.options(
             image="rollout-buffer-no-such-image:0"))
+    name = f"no-python-{secrets.token_hex(4)}"
+    with pytest.raises(SandboxError, match="has no working python3"):
+        await open_sandbox("docker", name=name, limits=LIMITS, model_socket=str(tmp_path / "model.sock"),
+                           options=docker_env.options(image=docker_env.image_without_python()))
+    async with aiodocker.Docker(url=docker_env.url) as docker:
+        left = await docker.containers.list(all=True, filters=json.dumps({"label": [f"rollout-buffer.name={name}"]}))
+    assert left == [], "a sandbox that failed to start leaves no container"
     with pytest.raises(SandboxError, match="unreachable"):
         await open_sandbox("docker", name="x", limits=LIMITS, options={
             "image": docker_env.image, "docker_host": f"unix://{tmp_path}/none.sock"})

@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,6 +42,10 @@ INSTALL_HINT = "install Debian's docker.io and mmdebstrap (.ci/run does), and ru
 class DockerEnv:
     url: str  # unix:///... of the Engine
     image: str  # the base image's name:tag
+
+    def image_without_python(self) -> str:
+        """The base image less python3 (imported on first use)."""
+        return ensure_image(self.url, without_python=True)
 
     def options(self, **extra: Any) -> dict[str, Any]:
         """A run's `sandbox.options` for this Engine and image."""
@@ -149,17 +154,36 @@ def base_tarball() -> Path:
     return tarball
 
 
-def ensure_image(url: str) -> str:
-    """`rollout-buffer-test-base:<hash>` in the Engine, imported from the tarball when it is not there."""
-    name = f"{IMAGE_REPO}:{image_tag()}"
+def ensure_image(url: str, *, without_python: bool = False) -> str:
+    """`rollout-buffer-test-base:<hash>` in the Engine, imported from the tarball when it is not there (or
+    `...-nopython:<hash>`, the same rootfs without python3, for the image that cannot run the forwarder)."""
+    repo = f"{IMAGE_REPO}-nopython" if without_python else IMAGE_REPO
+    name = f"{repo}:{image_tag()}"
     if _request(url, "GET", f"/images/{name}/json")[0] == 200:
         return name
-    with open(base_tarball(), "rb") as body:
-        status, answer = _request(url, "POST", f"/images/create?fromSrc=-&repo={IMAGE_REPO}&tag={image_tag()}",
-                                  body=body, timeout=300)
+    tarball = base_tarball()
+    if without_python:
+        tarball = _without_python(tarball)
+    try:
+        with open(tarball, "rb") as body:
+            status, answer = _request(url, "POST", f"/images/create?fromSrc=-&repo={repo}&tag={image_tag()}",
+                                      body=body, timeout=300)
+    finally:
+        if without_python:
+            tarball.unlink(missing_ok=True)
     if status != 200 or _request(url, "GET", f"/images/{name}/json")[0] != 200:
         pytest.fail(f"importing {name} failed ({status}): {answer[-2000:]!r}")
     return name
+
+
+def _without_python(tarball: Path) -> Path:
+    out = Path(tempfile.mkstemp(suffix=".tar", dir=CACHE)[1])
+    with tarfile.open(tarball) as source, tarfile.open(out, "w") as target:
+        for member in source:
+            if "python3" in member.name.split("/")[-1] or "/python3" in member.name:
+                continue
+            target.addfile(member, source.extractfile(member) if member.isfile() else None)
+    return out
 
 
 @contextlib.contextmanager
