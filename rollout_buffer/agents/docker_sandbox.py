@@ -33,8 +33,11 @@ from aiodocker.exceptions import DockerError
 from aiodocker.execs import Exec
 
 from rollout_buffer.agents import docker_engine as engine
+from rollout_buffer.agents.docker_engine import image_exists, remove_stale_containers
 from rollout_buffer.agents.local import _Tail
 from rollout_buffer.agents.sandbox import MODEL_PORT, ExecResult, Limits, SandboxError
+
+__all__ = ["DockerSandbox", "image_exists", "remove_stale_containers"]  # the last two: for the integration
 
 FORWARDER = Path(__file__).with_name("forwarder.py")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -80,6 +83,8 @@ class DockerSandbox:
         return self._start().__await__()
 
     async def _start(self) -> DockerSandbox:
+        if self._docker is not None:  # awaited again: the same sandbox, not a second container
+            return self
         self._docker = engine.connect(self.options)
         try:
             await self._create()

@@ -331,7 +331,7 @@ async def test_stale_containers_are_removed_by_label(docker_env: DockerEnv) -> N
              "Labels": {engine.LABEL: "1", engine.OWNER_LABEL: owner, engine.LIFE_LABEL: "an-earlier-life"}})
         await leftover.start()
     try:
-        assert await engine.remove_stale_containers(owner, {"docker_host": docker_env.url}) == 1
+        assert await docker_sandbox.remove_stale_containers(owner, {"docker_host": docker_env.url}) == 1
         assert not await _exists(docker_env, leftover.id)
         assert await _exists(docker_env, live.container_id), "this life's own sandboxes are kept"
     finally:
@@ -340,8 +340,8 @@ async def test_stale_containers_are_removed_by_label(docker_env: DockerEnv) -> N
 
 async def test_missing_image_and_unreachable_engine(docker_env: DockerEnv, tmp_path: Path) -> None:  # noqa: F811
     options = {"docker_host": docker_env.url}
-    assert await engine.image_exists(docker_env.image, options) is True
-    assert await engine.image_exists("rollout-buffer-no-such-image:0", options) is False
+    assert await docker_sandbox.image_exists(docker_env.image, options) is True
+    assert await docker_sandbox.image_exists("rollout-buffer-no-such-image:0", options) is False
     with pytest.raises(SandboxError, match="not in the Docker Engine"):
         await open_sandbox("docker", name="x", limits=LIMITS, options=docker_env.options(
             image="rollout-buffer-no-such-image:0"))
