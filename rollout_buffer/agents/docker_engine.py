@@ -1,0 +1,162 @@
+"""Docker Engine plumbing for the docker sandbox: the client, a sandbox container's spec, and housekeeping.
+
+Everything goes through the Engine's HTTP API (`aiodocker`), never the docker CLI. A sandbox container is
+built to hold the isolation contract of `sandbox.py` by itself: no network (`NetworkMode: none`), a
+read-only root with size-bounded tmpfs for every writable place, no capability, no new privileges, a pid
+limit, memory and CPU limits, an init that reaps orphans, and a main process (`timeout LIFETIME cat`, as a
+user the agent cannot signal) whose end removes the container (`AutoRemove`). That process reads a stdin the
+worker holds attached, so the container goes at its lifetime, at cleanup and as soon as the worker dies
+(its connection closes); `remove_stale_containers` sweeps whatever a worker life still left. Labels name every
+sandbox container (`rollout-buffer.sandbox=1`), its owner, the worker life and its deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiodocker
+import aiohttp
+from aiodocker.exceptions import DockerError
+
+from rollout_buffer.agents.sandbox import Limits, SandboxError
+
+DEFAULT_SOCKET = "/var/run/docker.sock"
+LABEL = "rollout-buffer.sandbox"
+OWNER_LABEL, LIFE_LABEL, DEADLINE_LABEL = "rollout-buffer.owner", "rollout-buffer.life", "rollout-buffer.deadline"
+# this process's life: containers labelled with another life of the same owner were left by a dead worker
+WORKER_LIFE = uuid.uuid4().hex
+DEFAULT_OWNER = socket.gethostname()
+# the container's main process and the model forwarder run as this user: the agent cannot signal them
+KEEPER_USER = "65534:65534"
+MOUNT_DIR = "/run/rollout-buffer"  # the forwarder and the model socket's folder, read-only inside
+API_TIMEOUT_S = 120.0
+
+
+def docker_url(options: dict[str, Any] | None = None) -> str:
+    """`options["docker_host"]`, else `DOCKER_HOST`, else the default socket, as a URL aiodocker takes."""
+    host = (options or {}).get("docker_host") or os.environ.get("DOCKER_HOST") or DEFAULT_SOCKET
+    return host if "://" in host else f"unix://{host}"
+
+
+def connect(options: dict[str, Any] | None = None) -> aiodocker.Docker:
+    """A client of the Engine (one aiohttp session; the caller closes it)."""
+    try:
+        return aiodocker.Docker(url=docker_url(options), timeout=aiohttp.ClientTimeout(total=API_TIMEOUT_S))
+    except (ValueError, OSError) as exc:
+        raise SandboxError(f"cannot reach the Docker Engine at {docker_url(options)}: {exc}") from exc
+
+
+def engine_error(action: str, exc: BaseException) -> SandboxError:
+    """An Engine failure as the infrastructure error it is (never the agent's)."""
+    if isinstance(exc, DockerError) and exc.status != 900:  # aiodocker's 900: no connection to the Engine
+        return SandboxError(f"docker: cannot {action}: {exc.message} (status {exc.status})")
+    return SandboxError(f"docker: cannot {action}: the Docker Engine is unreachable ({type(exc).__name__}: {exc})")
+
+
+ENGINE_ERRORS = (DockerError, aiohttp.ClientError, OSError, TimeoutError)
+
+
+def parse_user(user: str) -> tuple[int, int]:
+    """`"uid[:gid]"` (numeric: the tmpfs folders are made over to it before any passwd file is read)."""
+    uid, _, gid = str(user).partition(":")
+    if not uid.isdigit() or (gid and not gid.isdigit()):
+        raise SandboxError(f"docker sandbox option user must be numeric 'uid[:gid]', got {user!r}")
+    if int(uid) == 0:
+        raise SandboxError("docker sandbox option user must not be root (uid 0)")
+    return int(uid), int(gid or uid)
+
+
+def _tmpfs(disk_mb: int | None, owner: tuple[int, int] | None) -> str:
+    options = ["rw", "exec", "nosuid", "nodev"]
+    if disk_mb:
+        options.append(f"size={disk_mb}m")
+    options += [f"uid={owner[0]}", f"gid={owner[1]}", "mode=0755"] if owner else ["mode=1777"]
+    return ",".join(options)
+
+
+def container_spec(*, image: str, limits: Limits, agent: tuple[int, int], work: str, home: str,
+                   lifetime_s: float, owner: str, name: str, model_socket: str | None,
+                   forwarder: Path) -> dict[str, Any]:
+    """The create body of one sandbox container (see the module docstring for why each part is there)."""
+    host: dict[str, Any] = {
+        "NetworkMode": "none", "ReadonlyRootfs": True, "Init": True, "AutoRemove": True, "Privileged": False,
+        "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"], "IpcMode": "private",
+        "Tmpfs": {work: _tmpfs(limits.disk_mb, agent), home: _tmpfs(limits.disk_mb, agent),
+                  "/tmp": _tmpfs(limits.disk_mb, None)},
+        "Binds": [], "Ulimits": [],
+    }
+    if limits.disk_mb:
+        host["ShmSize"] = limits.disk_mb << 20
+    if limits.pids:
+        host["PidsLimit"] = limits.pids
+    if limits.memory_bytes:
+        host["Memory"] = host["MemorySwap"] = limits.memory_bytes
+    if limits.cpus:
+        host["NanoCpus"] = int(limits.cpus * 1e9)
+    for ulimit, value in (("nofile", limits.open_files), ("fsize", limits.file_size_bytes), ("cpu", limits.cpu_s)):
+        if value:
+            host["Ulimits"].append({"Name": ulimit, "Soft": value, "Hard": value})
+    if model_socket is not None:
+        host["Binds"] = [f"{Path(model_socket).parent}:{MOUNT_DIR}/model:ro", f"{forwarder}:{MOUNT_DIR}/forwarder.py:ro"]
+    labels = {LABEL: "1", OWNER_LABEL: owner, LIFE_LABEL: WORKER_LIFE,
+              DEADLINE_LABEL: str(int(time.time() + lifetime_s)), "rollout-buffer.name": name[:200]}
+    # the main process reads the worker's attached stdin: when the worker's end closes (cleanup, or the worker
+    # dies), or at the lifetime, it exits and the container goes (AutoRemove)
+    return {"Image": image, "Entrypoint": ["timeout", str(int(lifetime_s)), "cat"], "Cmd": [], "User": KEEPER_USER,
+            "WorkingDir": work, "Env": [], "Labels": labels, "NetworkDisabled": True, "OpenStdin": True,
+            "StdinOnce": True, "AttachStdin": True, "AttachStdout": False, "AttachStderr": False, "Tty": False,
+            "HostConfig": host}
+
+
+def container_name(name: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.")[:48]
+    return f"rb-{safe or 'sandbox'}-{uuid.uuid4().hex[:10]}"
+
+
+async def image_exists(image: str, options: dict[str, Any] | None = None) -> bool:
+    """Whether the Engine has `image` locally (nothing is pulled); SandboxError when it is unreachable."""
+    docker = connect(options)
+    try:
+        await docker.images.inspect(image)
+        return True
+    except DockerError as exc:
+        if exc.status == 404:
+            return False
+        raise engine_error(f"inspect image {image!r}", exc) from exc
+    except ENGINE_ERRORS as exc:
+        raise engine_error(f"inspect image {image!r}", exc) from exc
+    finally:
+        await docker.close()
+
+
+async def remove_stale_containers(owner: str | None = None, options: dict[str, Any] | None = None) -> int:
+    """Remove the sandbox containers an earlier life of this worker left (its `owner`, another life), and any
+    past its deadline; returns how many. Call it at worker start. Workers sharing one Engine must each have
+    their own owner (option `owner`), or one would remove the other's live sandboxes."""
+    owner = owner or DEFAULT_OWNER
+    docker = connect(options)
+    removed = 0
+    try:
+        found = await docker.containers.list(all=True, filters=json.dumps({"label": [f"{LABEL}=1"]}))
+        for container in found:
+            labels = container._container.get("Labels") or {}
+            deadline = labels.get(DEADLINE_LABEL, "")
+            expired = deadline.isdigit() and int(deadline) < time.time()
+            if expired or (labels.get(OWNER_LABEL) == owner and labels.get(LIFE_LABEL) != WORKER_LIFE):
+                try:
+                    await container.delete(force=True)
+                    removed += 1
+                except DockerError as exc:
+                    if exc.status not in (404, 409):  # gone already, or its removal is under way
+                        raise
+    except ENGINE_ERRORS as exc:
+        raise engine_error("remove stale sandbox containers", exc) from exc
+    finally:
+        await docker.close()
+    return removed

@@ -1,0 +1,336 @@
+"""The docker sandbox backend: a fresh container per rollout, built by `docker_engine.container_spec`.
+
+`await DockerSandbox(name=, limits=, options=, model_socket=)` creates and starts the container (the object
+is awaitable because making a container must await; `open_sandbox` awaits it). Options: `image` (required,
+never pulled), `workdir` (default `/app`, Harbor's), `home` (default `/home/agent`), `user` (numeric
+`uid[:gid]`, default `1000:1000`), `lifetime_s` (the container removes itself after it, default 6 h),
+`owner` (see `remove_stale_containers`), `docker_host`.
+
+The image needs `sh`, `env`, `cat`, `mkdir`, `timeout` (any Debian-like base), and `python3` when the run has
+a model socket: the forwarder (`forwarder.py`, mounted read-only with the socket's folder at
+`/run/rollout-buffer`) runs on the image's Python and serves `model_url` on the container's own loopback.
+
+Commands run as the agent user under `env -i` (exactly the run's environment plus PATH, HOME, TMPDIR, LANG,
+LC_ALL). Docker cannot kill an exec, so when a command ends or reaches its deadline every process of the
+agent user in the container is killed (`kill -KILL -1` as that user: the container's pid namespace bounds
+it, and the init, main process and forwarder run as another user), then verified gone with the Engine's
+`top`; this mirrors the local backend, whose guard kills every descendant when the command exits. Files
+move through `cat` in the container: the Engine's archive API refuses a container with a read-only root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import posixpath
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from aiodocker.containers import DockerContainer
+from aiodocker.exceptions import DockerError
+from aiodocker.execs import Exec
+
+from rollout_buffer.agents import docker_engine as engine
+from rollout_buffer.agents.docker_engine import image_exists, remove_stale_containers
+from rollout_buffer.agents.local import _Tail
+from rollout_buffer.agents.sandbox import MODEL_PORT, ExecResult, Limits, SandboxError
+
+__all__ = ["DockerSandbox", "image_exists", "remove_stale_containers"]  # the last two: for the integration
+
+FORWARDER = Path(__file__).with_name("forwarder.py")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+KILL_BUDGET_S = 15.0  # to kill the agent's processes from inside before the container itself is killed
+# the agent user's processes but the listing shell itself, from the container's own /proc
+_OWN_PIDS = 'for p in /proc/[0-9]*; do [ -O "$p" ] && [ "${p#/proc/}" != $$ ] && echo "${p#/proc/}"; done; true'
+_READY = ("import socket, sys, time\nfor _ in range(200):\n    try:\n        socket.create_connection(('127.0.0.1', "
+          f"{MODEL_PORT}), 1).close()\n        sys.exit(0)\n    except OSError:\n        time.sleep(0.05)\nsys.exit(3)")
+
+
+class DockerSandbox:
+    """One rollout's container (see the module docstring)."""
+
+    isolated = True
+
+    def __init__(self, *, name: str, limits: Limits, options: dict[str, Any] | None = None,
+                 model_socket: str | None = None) -> None:
+        self.options = dict(options or {})
+        self.name, self.limits, self.model_socket = name, limits, model_socket
+        self.image = self.options.get("image")
+        if not isinstance(self.image, str) or not self.image:
+            raise SandboxError("the docker sandbox needs options.image (an image the Docker Engine has)")
+        self.user = str(self.options.get("user") or "1000:1000")
+        self.uid, self.gid = engine.parse_user(self.user)
+        self.work = posixpath.normpath(str(self.options.get("workdir") or "/app"))
+        self.home = posixpath.normpath(str(self.options.get("home") or "/home/agent"))
+        for place in (self.work, self.home):
+            if not place.startswith("/") or place == "/":
+                raise SandboxError(f"docker sandbox folders must be absolute and not '/', got {place!r}")
+        self.lifetime_s = float(self.options.get("lifetime_s") or 6 * 3600)
+        self.model_url: str | None = None
+        self.container_id: str | None = None
+        self._path_env = DEFAULT_PATH
+        self._docker = None
+        self._container: DockerContainer | None = None
+        self._closed = False
+        self._stopped = self._stopped_verified = False
+        self._lock = asyncio.Lock()
+        self._tether = contextlib.AsyncExitStack()
+
+    def __await__(self) -> Generator[Any, None, DockerSandbox]:
+        """`await DockerSandbox(...)` creates and starts the container (what `open_sandbox` does)."""
+        return self._start().__await__()
+
+    async def _start(self) -> DockerSandbox:
+        if self._docker is not None:  # awaited again: the same sandbox, not a second container
+            return self
+        self._docker = engine.connect(self.options)
+        try:
+            await self._create()
+            if self.model_socket is not None:
+                await self._start_forwarder()
+        except BaseException:
+            await asyncio.shield(self.cleanup())
+            raise
+        return self
+
+    async def _create(self) -> None:
+        assert self._docker is not None
+        spec = engine.container_spec(
+            image=self.image, limits=self.limits, agent=(self.uid, self.gid), work=self.work, home=self.home,
+            lifetime_s=self.lifetime_s, owner=str(self.options.get("owner") or engine.DEFAULT_OWNER), name=self.name,
+            model_socket=self.model_socket, forwarder=FORWARDER)
+        try:
+            image = await self._docker.images.inspect(self.image)
+        except DockerError as exc:
+            if exc.status == 404:
+                raise SandboxError(f"docker: image {self.image!r} is not in the Docker Engine (images are never "
+                                   f"pulled: build or load it first)") from exc
+            raise engine.engine_error(f"inspect image {self.image!r}", exc) from exc
+        except engine.ENGINE_ERRORS as exc:
+            raise engine.engine_error(f"inspect image {self.image!r}", exc) from exc
+        for item in (image.get("Config") or {}).get("Env") or []:
+            if item.startswith("PATH="):
+                self._path_env = item[5:]
+        try:
+            container = await self._docker.containers.create(spec, name=engine.container_name(self.name))
+            self._container, self.container_id = container, container.id
+            # the tether: the main process's stdin; it closes with this client, or with the worker's death
+            await self._tether.enter_async_context(container.attach(stdin=True, stdout=False, stderr=False))
+            await container.start()
+        except engine.ENGINE_ERRORS as exc:
+            raise engine.engine_error(f"create a container of {self.image!r}", exc) from exc
+
+    async def _start_forwarder(self) -> None:
+        """Serve the model socket on the container's loopback, and wait until it answers."""
+        assert self.model_socket is not None
+        sock = f"{engine.MOUNT_DIR}/model/{Path(self.model_socket).name}"
+        code, _, err = await self._run(["python3", "-c", "pass"], user=engine.KEEPER_USER)
+        if code != 0:
+            raise SandboxError(f"docker: image {self.image!r} has no working python3, which the model forwarder "
+                               f"needs (exit {code}: {err[-300:]!r})")
+        try:
+            forward = await self._exec_create(["python3", f"{engine.MOUNT_DIR}/forwarder.py", str(MODEL_PORT), sock],
+                                              user=engine.KEEPER_USER)
+            await forward.start(detach=True)
+        except engine.ENGINE_ERRORS as exc:
+            raise engine.engine_error("start the model forwarder", exc) from exc
+        code, _, err = await self._run(["python3", "-c", _READY], user=engine.KEEPER_USER)
+        if code != 0:
+            raise SandboxError(f"docker: the model forwarder did not listen on 127.0.0.1:{MODEL_PORT} ({err[-300:]!r})")
+        self.model_url = f"http://127.0.0.1:{MODEL_PORT}"
+
+    def _path(self, path: str) -> str:
+        base, rest = (self.home, path[2:]) if path.startswith("~/") else (self.work, path)
+        target = posixpath.normpath(posixpath.join(base, rest))
+        if not any(target == place or target.startswith(place + "/") for place in (self.work, self.home)):
+            raise SandboxError(f"path {path!r} leaves the sandbox")
+        return target
+
+    def base_env(self) -> dict[str, str]:
+        return {"PATH": self._path_env, "HOME": self.home, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+    def _live(self) -> DockerContainer:
+        if self._container is None or self._closed:
+            raise SandboxError("docker: the sandbox is closed")
+        if self._stopped:
+            raise SandboxError("docker: the sandbox's container was stopped (its agent's processes could be "
+                               "killed no other way)")
+        return self._container
+
+    async def _exec_create(self, argv: list[str], *, user: str, workdir: str | None = None,
+                           stdin: bool = False) -> Exec:
+        return await self._live().exec(argv, user=user, workdir=workdir or self.work, stdin=stdin,
+                                       stdout=True, stderr=True)
+
+    async def _exit_code(self, run: Exec) -> int:
+        """The exec's exit code (the Engine may report it a moment after the output ends)."""
+        for _ in range(100):
+            info = await run.inspect()
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return int(info["ExitCode"])
+            await asyncio.sleep(0.02)
+        return -1
+
+    async def _run(self, argv: list[str], *, user: str | None = None, stdin: bytes | None = None,
+                   limit: int | None = None) -> tuple[int, bytes, str]:
+        """A short helper command: (exit code, stdout, stderr tail); Engine failures raise SandboxError."""
+        out, err = _Tail(limit or 1 << 62), _Tail(1 << 16)
+        try:
+            run = await self._exec_create(argv, user=user or self.user, stdin=stdin is not None)
+            async with run.start(detach=False) as stream:
+                if stdin is not None:
+                    await stream.write_in(stdin)
+                    await stream.close()  # the command sees the end of its input; its exit code tells the rest
+                else:
+                    await _pump(stream, out, err)
+            return await self._exit_code(run), bytes(out.data), err.text()
+        except engine.ENGINE_ERRORS as exc:
+            raise engine.engine_error(f"run {argv[0]!r} in the container", exc) from exc
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        target = self._path(path)
+        async with self._lock:
+            code, _, _ = await self._run(["sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", target],
+                                         stdin=data.encode() if isinstance(data, str) else data)
+        if code != 0:
+            raise SandboxError(f"docker: cannot write {path!r} in the sandbox (exit {code})")
+
+    async def read_file(self, path: str) -> bytes:
+        target = self._path(path)
+        async with self._lock:
+            code, data, err = await self._run(["cat", "--", target])
+        if code != 0:
+            if "No such file" in err:
+                raise FileNotFoundError(f"{path!r} is not in the sandbox")
+            raise SandboxError(f"docker: cannot read {path!r} in the sandbox (exit {code}: {err[-300:]!r})")
+        return data
+
+    async def exec(self, argv: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
+                   cwd: str | None = None) -> ExecResult:
+        """One command at a time (its end kills every process of the agent user, so two would kill each other)."""
+        workdir = self._path(cwd) if cwd else self.work
+        async with self._lock:
+            return await self._exec(argv, timeout_s, {**self.base_env(), **(env or {})}, workdir)
+
+    async def _exec(self, argv: list[str], timeout_s: float, env: dict[str, str], workdir: str) -> ExecResult:
+        out, err = _Tail(self.limits.output_bytes), _Tail(self.limits.output_bytes)
+        started = time.monotonic()
+        extra: dict[str, Any] = {}
+        try:
+            run = await self._exec_create(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv],
+                                          user=self.user, workdir=workdir)
+            async with run.start(detach=False) as stream:
+                try:
+                    await asyncio.wait_for(_pump(stream, out, err), timeout_s)
+                except TimeoutError:
+                    extra["killed"] = await self.kill_agent_processes()
+            code = 137 if extra else await self._exit_code(run)
+        except engine.ENGINE_ERRORS as exc:
+            await self._sweep()
+            raise engine.engine_error(f"run {argv[:1]!r} in the container", exc) from exc
+        except BaseException:  # cancelled: the command dies with the call
+            await self._sweep()
+            raise
+        if not extra:
+            await self._sweep()  # what the command left behind dies with it, as on the local backend
+        if self._stopped:
+            extra["container_stopped"] = True
+        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out="killed" in extra,
+                          duration_s=round(time.monotonic() - started, 3), output_bytes=out.total + err.total,
+                          truncated=out.total > len(out.data) or err.total > len(err.data), extra=extra)
+
+    async def _sweep(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.kill_agent_processes())
+
+    async def agent_pids(self) -> list[int]:
+        """The agent user's processes in the container, as the Engine sees them (its `top`, from outside)."""
+        try:
+            top = await self._live().top(ps_args="-eo pid,uid")
+        except DockerError as exc:
+            if exc.status != 500:  # 500: the Engine's host cannot run `ps`; ask the container's /proc instead
+                raise
+            code, out, err = await self._run(["sh", "-c", _OWN_PIDS])
+            if code != 0:
+                raise SandboxError(f"docker: cannot list the agent's processes (exit {code}: {err[-300:]!r})") from exc
+            return [int(pid) for pid in out.split()]
+        return [int(pid) for pid, uid in top.get("Processes") or [] if int(uid) == self.uid]
+
+    async def kill_agent_processes(self) -> bool:
+        """Kill every process of the agent user until none is left; True when that was verified."""
+        if self._closed or self._stopped:  # removed, or its whole pid namespace is already down
+            return self._stopped_verified
+        deadline = time.monotonic() + KILL_BUDGET_S
+        while time.monotonic() < deadline:
+            try:
+                if not await self.agent_pids():
+                    return True
+                # under a fork bomb the Engine retries the exec until a pid is free: seconds, bounded here
+                await asyncio.wait_for(self._run(["sh", "-c", "kill -s KILL -- -1"]), deadline - time.monotonic())
+            except (SandboxError, *engine.ENGINE_ERRORS):
+                pass  # no exec could start (every pid taken): tried again, then the container goes
+            await asyncio.sleep(0.05)
+        self._stopped_verified = await self._stop_container()
+        return self._stopped_verified
+
+    async def _stop_container(self) -> bool:
+        """The last resort: kill the container's init, which takes its whole pid namespace down (the sandbox is
+        unusable after: a later command raises SandboxError); True once the Engine reports it stopped."""
+        self._stopped = True
+        if self._container is None:
+            return False
+        try:
+            with contextlib.suppress(DockerError):
+                await self._container.kill(signal="SIGKILL")
+            for _ in range(200):
+                try:
+                    state = (await self._container.show()).get("State") or {}
+                except DockerError as exc:
+                    return exc.status == 404  # removed (AutoRemove): nothing of it runs
+                if not state.get("Running"):
+                    return True
+                await asyncio.sleep(0.05)
+        except engine.ENGINE_ERRORS:
+            pass
+        return False
+
+    async def cleanup(self) -> None:
+        """Remove the container (force: its processes die with it) and close the client; safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.shield(self._teardown())  # a cancelled rollout still removes its container
+
+    async def _teardown(self) -> None:
+        try:
+            with contextlib.suppress(Exception):
+                await self._tether.aclose()
+            if self._container is not None and self._docker is not None:
+                await _remove(self._docker, self._container)
+        finally:
+            if self._docker is not None:
+                await self._docker.close()
+
+
+async def _pump(stream: Any, out: _Tail, err: _Tail) -> None:
+    while (message := await stream.read_out()) is not None:
+        (err if message.stream == 2 else out).add(message.data)
+
+
+async def _remove(docker: Any, container: DockerContainer) -> None:
+    """Force-remove and wait until the Engine no longer knows the container (its AutoRemove may race)."""
+    with contextlib.suppress(DockerError):
+        await container.delete(force=True)
+    for _ in range(100):
+        try:
+            await docker.containers.get(container.id)
+        except DockerError as exc:
+            if exc.status == 404:
+                return
+            raise engine.engine_error("remove the container", exc) from exc
+        except engine.ENGINE_ERRORS as exc:
+            raise engine.engine_error("remove the container", exc) from exc
+        await asyncio.sleep(0.05)
+    raise SandboxError(f"docker: container {container.id[:12]} is still there after its removal")
