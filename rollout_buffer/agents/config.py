@@ -29,7 +29,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.agents.sandbox import Limits, factory_path, load_factory
+from rollout_buffer.agents.sandbox import Limits, SandboxError, factory_path, load_factory
 from rollout_buffer.agents.verifiers import Verifier, verifier_from
 from rollout_buffer.tasks.contract import InvalidSample, ServerFacts
 
@@ -129,9 +129,10 @@ def _check_binds(binds: Any, server: ServerFacts) -> None:
                                                                      "server (--input-root)")
 
 
-def parse(options: dict[str, Any], server: ServerFacts) -> AgentConfig:
+def parse(options: dict[str, Any], server: ServerFacts, *, check_backend: bool = False) -> AgentConfig:
     """The run's `agent` options (the /start_rollout body's extra fields) -> AgentConfig, or AgentConfigError
-    (AgentsNotAllowed, a 403, for a backend `server` does not enable)."""
+    (AgentsNotAllowed, a 403, for a backend `server` does not enable). `check_backend`: also ask the backend
+    whether it can run these options (`factory.check_options`, e.g. docker: the image exists), at start."""
     if not server.agent_sandboxes:
         choose_backend(None, server)  # refused (403) before anything about the options is said
     raw = options.get("agent")
@@ -194,6 +195,12 @@ def parse(options: dict[str, Any], server: ServerFacts) -> AgentConfig:
     if not isinstance(options_raw, dict):
         raise AgentConfigError("agent.sandbox.options", "must be an object")
     _check_binds(options_raw.get("ro_binds"), server)
+    checker = getattr(load_factory(backend), "check_options", None)
+    if checker is not None and check_backend:
+        try:
+            checker(dict(options_raw))
+        except SandboxError as exc:
+            raise AgentConfigError("agent.sandbox.options", str(exc)) from exc
     try:
         limits = Limits.from_options(sandbox.get("limits"))
     except ValueError as exc:

@@ -82,7 +82,7 @@ def _tmpfs(disk_mb: int | None, owner: tuple[int, int] | None) -> str:
 
 def container_spec(*, image: str, limits: Limits, agent: tuple[int, int], work: str, home: str,
                    lifetime_s: float, owner: str, name: str, model_socket: str | None,
-                   forwarder: Path) -> dict[str, Any]:
+                   forwarder: Path, ro_binds: list[str] | None = None) -> dict[str, Any]:
     """The create body of one sandbox container (see the module docstring for why each part is there)."""
     host: dict[str, Any] = {
         "NetworkMode": "none", "ReadonlyRootfs": True, "Init": True, "AutoRemove": True, "Privileged": False,
@@ -104,6 +104,9 @@ def container_spec(*, image: str, limits: Limits, agent: tuple[int, int], work: 
             host["Ulimits"].append({"Name": ulimit, "Soft": value, "Hard": value})
     if model_socket is not None:
         host["Binds"] = [f"{Path(model_socket).parent}:{MOUNT_DIR}/model:ro", f"{forwarder}:{MOUNT_DIR}/forwarder.py:ro"]
+    # host folders the run mounts read-only at the same path (an agent CLI's install; under the input roots,
+    # checked at /start_rollout)
+    host["Binds"] += [f"{path}:{path}:ro" for path in ro_binds or []]
     labels = {LABEL: "1", OWNER_LABEL: owner, LIFE_LABEL: WORKER_LIFE,
               DEADLINE_LABEL: str(int(time.time() + lifetime_s)), "rollout-buffer.name": name[:200]}
     # the main process reads the worker's attached stdin: when the worker's end closes (cleanup, or the worker
@@ -136,9 +139,10 @@ async def image_exists(image: str, options: dict[str, Any] | None = None) -> boo
 
 
 async def remove_stale_containers(owner: str | None = None, options: dict[str, Any] | None = None) -> int:
-    """Remove the sandbox containers an earlier life of this worker left (its `owner`, another life), and any
-    past its deadline; returns how many. Call it at worker start. Workers sharing one Engine must each have
-    their own owner (option `owner`), or one would remove the other's live sandboxes."""
+    """Remove the sandbox containers an earlier life of a worker left (its `owner`, another life, no longer
+    running: a container's main process ends when its worker dies), and any past its deadline; returns how
+    many. Called at a worker's first docker rollout. A running container of another life is a sibling
+    worker's live sandbox (`serve` runs several worker processes on one host) and is left alone."""
     owner = owner or DEFAULT_OWNER
     docker = connect(options)
     removed = 0
@@ -148,7 +152,9 @@ async def remove_stale_containers(owner: str | None = None, options: dict[str, A
             labels = container._container.get("Labels") or {}
             deadline = labels.get(DEADLINE_LABEL, "")
             expired = deadline.isdigit() and int(deadline) < time.time()
-            if expired or (labels.get(OWNER_LABEL) == owner and labels.get(LIFE_LABEL) != WORKER_LIFE):
+            left = (labels.get(OWNER_LABEL) == owner and labels.get(LIFE_LABEL) != WORKER_LIFE
+                    and container._container.get("State") != "running")
+            if expired or left:
                 try:
                     await container.delete(force=True)
                     removed += 1

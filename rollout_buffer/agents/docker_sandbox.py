@@ -4,7 +4,8 @@
 is awaitable because making a container must await; `open_sandbox` awaits it). Options: `image` (required,
 never pulled), `workdir` (default `/app`, Harbor's), `home` (default `/home/agent`), `user` (numeric
 `uid[:gid]`, default `1000:1000`), `lifetime_s` (the container removes itself after it, default 6 h),
-`owner` (see `remove_stale_containers`), `docker_host`.
+`owner` (see `remove_stale_containers`), `docker_host`, `ro_binds` (host folders mounted read-only at the
+same path, e.g. an agent CLI's install).
 
 The image needs `sh`, `env`, `cat`, `mkdir`, `timeout` (any Debian-like base), and `python3` when the run has
 a model socket: the forwarder (`forwarder.py`, mounted read-only with the socket's folder at
@@ -48,10 +49,41 @@ _READY = ("import socket, sys, time\nfor _ in range(200):\n    try:\n        soc
           f"{MODEL_PORT}), 1).close()\n        sys.exit(0)\n    except OSError:\n        time.sleep(0.05)\nsys.exit(3)")
 
 
+_swept: dict[str, asyncio.Lock] = {}
+_swept_done: set[str] = set()
+
+
+async def _sweep_once(options: dict[str, Any]) -> None:
+    """A worker's first docker sandbox on an Engine first removes what an earlier life of it left there."""
+    url = engine.docker_url(options)
+    if url in _swept_done:
+        return
+    async with _swept.setdefault(url, asyncio.Lock()):
+        if url not in _swept_done:
+            await engine.remove_stale_containers(str(options.get("owner") or engine.DEFAULT_OWNER), options)
+            _swept_done.add(url)
+
+
+def check_image(options: dict[str, Any]) -> None:
+    """At `/start_rollout` (in a thread): refuse a run whose image the Engine does not have, with a 4xx naming
+    it (an unreachable Engine is refused too: nothing could run)."""
+    host = options.get("docker_host")
+    if host is not None and (not isinstance(host, str) or not host.startswith(("unix://", "/"))):
+        raise SandboxError("options.docker_host must be a unix socket of this host (unix:///...); for an Engine "
+                           "elsewhere, set DOCKER_HOST for the server")
+    image = options.get("image")
+    if not isinstance(image, str) or not image:
+        raise SandboxError("the docker sandbox needs options.image (an image the Docker Engine has)")
+    if not asyncio.run(engine.image_exists(image, options)):
+        raise SandboxError(f"image {image!r} is not in the Docker Engine at {engine.docker_url(options)} (images "
+                           "are never pulled: build or load it first)")
+
+
 class DockerSandbox:
     """One rollout's container (see the module docstring)."""
 
     isolated = True
+    check_options = staticmethod(check_image)
 
     def __init__(self, *, name: str, limits: Limits, options: dict[str, Any] | None = None,
                  model_socket: str | None = None) -> None:
@@ -85,6 +117,7 @@ class DockerSandbox:
     async def _start(self) -> DockerSandbox:
         if self._docker is not None:  # awaited again: the same sandbox, not a second container
             return self
+        await _sweep_once(self.options)
         self._docker = engine.connect(self.options)
         try:
             await self._create()
@@ -100,7 +133,8 @@ class DockerSandbox:
         spec = engine.container_spec(
             image=self.image, limits=self.limits, agent=(self.uid, self.gid), work=self.work, home=self.home,
             lifetime_s=self.lifetime_s, owner=str(self.options.get("owner") or engine.DEFAULT_OWNER), name=self.name,
-            model_socket=self.model_socket, forwarder=FORWARDER)
+            model_socket=self.model_socket, forwarder=FORWARDER,
+            ro_binds=[str(Path(p).resolve()) for p in self.options.get("ro_binds") or []])
         try:
             image = await self._docker.images.inspect(self.image)
         except DockerError as exc:

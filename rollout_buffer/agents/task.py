@@ -62,8 +62,9 @@ def config_of(options: dict[str, Any], server: ServerFacts) -> AgentConfig:
 
 def validate_run(options: dict[str, Any], server: ServerFacts) -> None:
     """Refuse a run whose `agent` options are wrong, or that this server does not allow (403: agent commands
-    off, a backend not enabled), at /start_rollout, before anything is stored."""
-    parse(options, server)
+    off, a backend not enabled), at /start_rollout, before anything is stored; the backend checks its options
+    too (docker: the image exists)."""
+    parse(options, server, check_backend=True)
 
 
 def validate_sample(sample: dict[str, Any]) -> None:
@@ -74,6 +75,8 @@ def validate_sample(sample: dict[str, Any]) -> None:
         raise InvalidSample("files", "must be an object of path: text")
     if sample.get("setup") is not None and not isinstance(sample["setup"], str):
         raise InvalidSample("setup", "must be a shell command line")
+    if sample.get("image") is not None and (not isinstance(sample["image"], str) or not sample["image"]):
+        raise InvalidSample("image", "must be the name of a container image (the docker backend's image)")
 
 
 def prompt_text(sample: dict[str, Any]) -> str:
@@ -152,7 +155,7 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
     for attempt in (1, 2):
         prepared: Prepared | None = None
         try:
-            prepared = await _sandbox(ctx, config, session, str(sample["instance_id"]))
+            prepared = await _sandbox(ctx, config, session, sample)
             sandbox = prepared.sandbox
             workdir, home = _places(sandbox)
             base = prepared.model_url or session["anthropic_base_url"]
@@ -195,15 +198,20 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
     raise AssertionError("unreachable")
 
 
-async def _sandbox(ctx: RolloutContext, config: AgentConfig, session: dict[str, Any], instance_id: str) -> Prepared:
-    """A sandbox for this rollout (from the run's pool when it keeps one), its relay keyed to this session."""
+async def _sandbox(ctx: RolloutContext, config: AgentConfig, session: dict[str, Any],
+                   sample: dict[str, Any]) -> Prepared:
+    """A sandbox for this rollout (from the run's pool when it keeps one), its relay keyed to this session. A
+    line's own `image` (docker) replaces the run's and is never pooled."""
     upstream = session["anthropic_base_url"]
+    options = dict(config.sandbox_options)
+    if sample.get("image"):
+        options["image"] = sample["image"]
 
     def make() -> Any:
-        return prepare(config.backend, name=f"{ctx.run_id}-{instance_id}", limits=config.limits,
-                       options=config.sandbox_options, upstream=upstream)
+        return prepare(config.backend, name=f"{ctx.run_id}-{sample['instance_id']}", limits=config.limits,
+                       options=options, upstream=upstream)
 
-    if config.pool:
+    if config.pool and not sample.get("image"):
         key = json.dumps([ctx.run_id, config.raw], sort_keys=True, default=str)
         if key not in _pools:
             _pools[key] = SandboxPool(config.pool, make, lambda: _pools.pop(key, None))

@@ -1,7 +1,7 @@
-"""`agent_command` end to end against a hostile agent, in the `local` and `bwrap` backends: the agent's key is
-model-only (it cannot finish its session and set its own reward, nor open an admin route); in bwrap it also
+"""`agent_command` end to end against a hostile agent, in the `local`, `bwrap` and `docker` backends: the agent's key is
+model-only (it cannot finish its session and set its own reward, nor open an admin route); in bwrap and docker it also
 cannot see the server's environment, processes or files, or reach the server's port; the reward is always
-the verifier's. A benign OpenAI SDK agent inside bwrap makes a token-exact record through its model socket.
+the verifier's. A benign OpenAI SDK agent inside bwrap and inside docker makes a token-exact record through its model socket.
 And what the operator allows: agent commands are off until `--agent-sandbox` enables a backend, a run may use
 only enabled ones, may mount only folders under the input roots, and hands agents only allowed buffer URLs."""
 
@@ -19,12 +19,13 @@ import httpx
 import pytest
 
 from tests.support.agents import start_agent_run
+from tests.support.docker_env import docker_env  # noqa: F401 - the session fixture
 from tests.support.gateway import assert_one_branch, assert_turns_are_engine_calls, engine_calls_of
 from tests.support.helpers import REPO, ServerProcess, ServerSpec
 from tests.support.runtime_helpers import arithmetic_rows, drain
 from tests.support.sandbox_python import SYSTEM_PYTHON, agent_site_packages
 
-SERVER = ServerSpec(args=("--agent-sandbox", "bwrap", "--agent-sandbox", "local"))
+SERVER = ServerSpec(args=("--agent-sandbox", "bwrap", "--agent-sandbox", "local", "--agent-sandbox", "docker"))
 SCRIPTS = REPO / "tests" / "fixtures" / "agent_scripts"
 
 
@@ -40,23 +41,35 @@ def scripts() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _hostile(scripts: Path, backend: str, server: ServerProcess, secret: Path) -> dict[str, Any]:
+def sandbox_options(request: pytest.FixtureRequest, backend: str, binds: list[str]) -> dict[str, Any]:
+    """A backend's options for these tests: the mounts; for docker, the test image on the test Engine."""
+    if backend == "local":
+        return {}
+    if backend == "docker":
+        env = request.getfixturevalue("docker_env")
+        return {"ro_binds": binds, "image": env.image, "docker_host": env.url}
+    return {"ro_binds": binds}
+
+
+def _hostile(scripts: Path, backend: str, server: ServerProcess, secret: Path, options: dict[str, Any]) -> dict[str, Any]:
     return {"command": [SYSTEM_PYTHON, str(scripts / "hostile_agent.py")], "api": "openai", "timeout_s": 60,
             "env": {"SERVER_URL_TO_TRY": server.url.removeprefix("http://"), "SECRET_FILE_TO_TRY": str(secret)},
-            "sandbox": {"backend": backend, "options": {"ro_binds": [str(scripts)]} if backend == "bwrap" else {}}}
+            "sandbox": {"backend": backend, "options": options}}
 
 
 def _found(record: dict[str, Any]) -> dict[str, Any]:
     return json.loads(record["extra_info"]["agent"]["stdout_tail"].strip().splitlines()[-1])["hostile"]
 
 
-@pytest.mark.parametrize("backend", ["local", "bwrap"])
+@pytest.mark.timeout(600)  # the machine's first docker test builds the test image (tests/support/docker_env.py)
+@pytest.mark.parametrize("backend", ["local", "bwrap", "docker"])
 def test_a_hostile_agent_cannot_set_its_reward(client: httpx.Client, server: ServerProcess, rollout_engine: Any,
                                                qwen_tokenizer_path: str, tmp_path: Path, scripts: Path,
-                                               backend: str) -> None:
+                                               backend: str, request: pytest.FixtureRequest) -> None:
     secret = tmp_path / "server-secret.txt"
     secret.write_text("the server's secret")
-    answer = start_agent_run(client, server.url, tmp_path, arithmetic_rows(1), _hostile(scripts, backend, server, secret),
+    agent = _hostile(scripts, backend, server, secret, sandbox_options(request, backend, [str(scripts)]))
+    answer = start_agent_run(client, server.url, tmp_path, arithmetic_rows(1), agent,
                              engine_url=rollout_engine.url, tokenizer_path=qwen_tokenizer_path, repeats=2)
     assert answer.status_code == 200, answer.text
     run_id = answer.json()["run_id"]
@@ -67,7 +80,7 @@ def test_a_hostile_agent_cannot_set_its_reward(client: httpx.Client, server: Ser
         assert found["admin_start_rollout"] == 403, "a session key opens no admin route"
         assert record["reward"] == 0.0 and record["status"] == "completed", "the verifier's reward, not 1.0"
         assert found["env_ROLLOUT_BUFFER_AUTH_TOKEN"] is None and found["env_REDIS_URL"] is None
-        if backend == "bwrap":
+        if backend != "local":
             assert found["admin_runs_without_key"] == 403, "the model socket opens /v1/* only"
             assert found["server_url_reachable"] is False, "no port of the host"
             assert found["read_secret"] is False, "no file of the host"
@@ -76,12 +89,16 @@ def test_a_hostile_agent_cannot_set_its_reward(client: httpx.Client, server: Ser
     assert "late_write" not in json.dumps(stats.get("drops", {})), "nothing the agent wrote was stored"
 
 
-def test_an_sdk_agent_in_bwrap_is_token_exact(client: httpx.Client, server: ServerProcess, rollout_engine: Any,
-                                              qwen_tokenizer_path: str, tmp_path: Path, scripts: Path) -> None:
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["bwrap", "docker"])
+def test_an_sdk_agent_in_a_sandbox_is_token_exact(client: httpx.Client, server: ServerProcess, rollout_engine: Any,
+                                                  qwen_tokenizer_path: str, tmp_path: Path, scripts: Path, backend: str,
+                                                  request: pytest.FixtureRequest) -> None:
     site = agent_site_packages()
+    options = sandbox_options(request, backend, [str(scripts), str(site)])
     agent = {"command": [SYSTEM_PYTHON, str(scripts / "sandbox_sdk_agent.py"), "{prompt}"], "api": "openai",
              "env": {"PYTHONPATH": str(site)}, "timeout_s": 60,
-             "sandbox": {"backend": "bwrap", "options": {"ro_binds": [str(scripts), str(site)]}, "pool": 2}}
+             "sandbox": {"backend": backend, "options": options, "pool": 2}}
     rows = arithmetic_rows(2)
     answer = start_agent_run(client, server.url, tmp_path, rows, agent, engine_url=rollout_engine.url,
                              tokenizer_path=qwen_tokenizer_path, repeats=2)

@@ -325,17 +325,21 @@ async def test_model_socket_is_the_one_way_out(docker_env: DockerEnv, tmp_path: 
 async def test_stale_containers_are_removed_by_label(docker_env: DockerEnv) -> None:  # noqa: F811
     owner = f"test-{secrets.token_hex(4)}"
     live = await _box(docker_env, owner=owner)
+    spec = {"Image": docker_env.image, "Entrypoint": ["sleep"], "Cmd": ["300"], "HostConfig": {"NetworkMode": "none"},
+            "Labels": {engine.LABEL: "1", engine.OWNER_LABEL: owner, engine.LIFE_LABEL: "an-earlier-life"}}
     async with aiodocker.Docker(url=docker_env.url) as docker:
-        leftover = await docker.containers.create(
-            {"Image": docker_env.image, "Entrypoint": ["sleep"], "Cmd": ["300"], "HostConfig": {"NetworkMode": "none"},
-             "Labels": {engine.LABEL: "1", engine.OWNER_LABEL: owner, engine.LIFE_LABEL: "an-earlier-life"}})
-        await leftover.start()
+        leftover = await docker.containers.create(spec)  # its worker died: its main process never runs again
+        sibling = await docker.containers.create({**spec, "Labels": {**spec["Labels"], engine.LIFE_LABEL: "sibling"}})
+        await sibling.start()  # another worker process's live sandbox on the same host
     try:
         assert await docker_sandbox.remove_stale_containers(owner, {"docker_host": docker_env.url}) == 1
         assert not await _exists(docker_env, leftover.id)
         assert await _exists(docker_env, live.container_id), "this life's own sandboxes are kept"
+        assert await _exists(docker_env, sibling.id), "a sibling worker's running sandbox is kept"
     finally:
         await live.cleanup()
+        async with aiodocker.Docker(url=docker_env.url) as docker:
+            await (await docker.containers.get(sibling.id)).delete(force=True)
 
 
 async def test_missing_image_and_unreachable_engine(docker_env: DockerEnv, tmp_path: Path) -> None:  # noqa: F811

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
-INCLUDE = ("python3", "ca-certificates", "bash", "procps")
+INCLUDE = ("python3", "ca-certificates", "bash", "procps", "nodejs")  # nodejs: Claude Code runs in it
 CACHE = Path(os.environ.get("ROLLOUT_BUFFER_TEST_CACHE") or Path.home() / ".cache" / "rollout-buffer")
 IMAGE_REPO = "rollout-buffer-test-base"
 BUILD_TIMEOUT_S = 480  # the first build only (about a minute on an idle machine); the test module allows for it
