@@ -1,5 +1,6 @@
 """Claude Code, unmodified and headless, as an `agent_command` run: installed from the npm registry (cached),
-run in local and in bwrap sandboxes (no network: its model socket only; the CLI and Node.js mounted read-only)
+run in local, bwrap and docker sandboxes (no network: its model socket only; the CLI mounted read-only, Node.js
+from the host's /usr in bwrap and from the test image in docker)
 against the gateway backed by the test engine (which answers Claude Code's Bash tool
 with a tool call, then the final answer). 8 problems x 2 repeats: every request Claude Code makes is a
 token-exact turn of its rollout's record, its answer reaches the verifier, and the groups reach the adapter."""
@@ -17,6 +18,7 @@ from slime_adapter.build import build_group_samples
 from tests.support.agents import sandbox_root, start_agent_run
 from rollout_buffer.agents.bwrap import DEFAULT_ROOT
 from tests.support.claude_code import install_claude_code, readable_by_any_uid
+from tests.support.docker_env import docker_env, docker_sandboxes_of  # noqa: F401 - docker_env: the session fixture
 from tests.support.gateway import assert_one_branch, assert_turns_are_engine_calls, engine_calls_of
 from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.runtime_helpers import assert_whole_groups, drain, wait_status
@@ -25,7 +27,7 @@ PROBLEMS = [("12 * 12 - 7", 137), ("81 / 9 + 1", 10), ("25 * 4 + 3", 103), ("7 *
             ("100 - 37 * 2", 26), ("15 * 15", 225), ("(3 + 4) * 9", 63), ("144 / 12 * 5", 60)]
 
 
-SERVER = ServerSpec(args=("--agent-sandbox", "local", "--agent-sandbox", "bwrap"))
+SERVER = ServerSpec(args=("--agent-sandbox", "local", "--agent-sandbox", "bwrap", "--agent-sandbox", "docker"))
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +36,23 @@ def claude_binary() -> Path:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend", ["local", "bwrap"])
+@pytest.mark.parametrize("backend", ["local", "bwrap", "docker"])
 def test_claude_code_headless_runs_as_an_agent_command(claude_binary: Path, server: ServerProcess,
                                                        client: httpx.Client, rollout_engine: Any,
                                                        qwen_tokenizer: Any, qwen_tokenizer_path: str,
-                                                       tmp_path: Path, backend: str) -> None:
+                                                       tmp_path: Path, backend: str,
+                                                       request: pytest.FixtureRequest) -> None:
     rows = [{"instance_id": f"cc{i}", "prompt": f"What is {expr}?", "label": str(value)}
             for i, (expr, value) in enumerate(PROBLEMS)]
     install = claude_binary.parents[2]  # <install>/node_modules/.bin/claude
     if backend == "bwrap":  # the sandbox's uid reads the CLI from a read-only mount
         install = readable_by_any_uid(install)
         sandbox = {"backend": "bwrap", "options": {"ro_binds": [str(install)]}}
+    elif backend == "docker":  # the test image has Node.js; the CLI is mounted read-only
+        install = readable_by_any_uid(install)
+        env = request.getfixturevalue("docker_env")
+        sandbox = {"backend": "docker", "options": {"ro_binds": [str(install)], "image": env.image,
+                                                    "docker_host": env.url}}
     else:
         sandbox = {"backend": "local", **sandbox_root(tmp_path)}
     agent = {"command": "claude -p {prompt} --output-format json", "api": "anthropic",
@@ -86,5 +94,7 @@ def test_claude_code_headless_runs_as_an_agent_command(claude_binary: Path, serv
     assert detail["failures"]["total"] == 0
     if backend == "bwrap":
         assert not [p for p in DEFAULT_ROOT.iterdir() if p.name.startswith(run_id)], "every sandbox was removed"
+    elif backend == "docker":
+        assert not docker_sandboxes_of(request.getfixturevalue("docker_env"), run_id), "every container was removed"
     else:
         assert list((tmp_path / "sandboxes").iterdir()) == [], "every sandbox was removed"

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import hashlib
 import http.client
+import json as _json
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -201,3 +203,12 @@ def docker_env() -> Iterator[DockerEnv]:
     """A running Docker Engine and the test base image (see the module docstring)."""
     with docker_environment() as env:
         yield env
+
+
+def docker_sandboxes_of(env: DockerEnv, name_prefix: str) -> list[str]:
+    """Ids of sandbox containers (any state) whose name starts with `name_prefix` (a run id)."""
+    filters = quote(_json.dumps({"label": ["rollout-buffer.sandbox=1"]}))
+    status, body = _request(env.url, "GET", f"/containers/json?all=1&filters={filters}", timeout=30.0)
+    assert status == 200, body
+    return [c["Id"] for c in _json.loads(body)
+            if str((c.get("Labels") or {}).get("rollout-buffer.name", "")).startswith(name_prefix)]
