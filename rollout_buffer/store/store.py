@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.store import handover_lua, keys
+from rollout_buffer.store import acks, handover_lua, keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.store.lua import GROUP_FUNCTIONS
 from rollout_buffer.store.redis_client import RedisClient, check_mode, connect
@@ -266,6 +266,12 @@ class Store:
         if self.wait_replicas:
             await wait_for_replicas(self.redis, run_id, self.wait_replicas, self.replica_timeout_ms,
                                     barrier_key=barrier_key)
+        acks.paid(run_id, barrier_key)
+
+    async def settle(self, debts: set[acks.Debt]) -> None:
+        """Pay every replica wait in `debts` (`acks`): what an answer acknowledges is on the replicas."""
+        for run_id, barrier_key in sorted(debts, key=lambda debt: (debt[0], debt[1] or "")):
+            await self.replicated(run_id, barrier_key=barrier_key)
 
 
 # ----- the Lua this module runs (the hand-over's: `handover_lua`; shared functions: `lua`) -----
