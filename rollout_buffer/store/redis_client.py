@@ -142,8 +142,16 @@ class BoundedRedisCluster(RedisCluster):
         kwargs["max_connections"] = 2 * max_in_flight
         super().__init__(*args, **kwargs)
         self.permits = _Permits(max_in_flight, wait_s)
+        self.sent_once: set[str] = set()  # shas of scripts never re-sent by the client (`send_once`)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] == "EVALSHA" and args[1] in self.sent_once and "target_nodes" not in kwargs \
+                and int(args[2]) > 0:
+            # redis-py re-sends a command after a connection error unless its node is named: named, it is
+            # sent once (MOVED and ASK are still followed: those mean the script did not run)
+            if self._initialize:
+                await self.initialize()
+            kwargs["target_nodes"] = self.get_node_from_key(args[3])
         try:
             return await self.permits.run(lambda: super(BoundedRedisCluster, self).execute_command(*args, **kwargs))
         except _OUTAGES as exc:
@@ -169,6 +177,16 @@ class BoundedRedisCluster(RedisCluster):
         if shard_hint:
             return super().pipeline(transaction, shard_hint)  # refused by redis-py, with its message
         return BoundedPipeline(self, transaction)
+
+
+def send_once(client: RedisClient, script: Any) -> Any:
+    """Mark `script` (a registered Script) as one the client must never re-send on its own: a script that is
+    not idempotent (it adds to counters) and whose reply was lost ran once already, maybe. Its caller gets
+    the connection error instead (503 "retry" at the API). Only the cluster client re-sends (the one-server
+    client's connections come from a pool built without retries)."""
+    if isinstance(client, BoundedRedisCluster):
+        client.sent_once.add(script.sha)
+    return script
 
 
 def connect(url: str, *, cluster: bool = False, max_connections: int = 128) -> RedisClient:
