@@ -1,5 +1,5 @@
 """`python -m bench.chaos [--minutes M] [--seed S] [--cluster] [--redis-wait-replicas N] [--retain-runs N]
-[--workdir DIR]`:
+[--kinds K,K,...] [--workdir DIR]`:
 faults of every kind at random, at once, while a real trainer works; one table at the end, exit 1 on any
 violation (replay it with the printed seed)."""
 
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failover-window", action="store_true",
                         help="also measure the acknowledged writes a primary kill loses without "
                              "--redis-wait-replicas (and with 1)")
+    parser.add_argument("--kinds", default=None,
+                        help="only these fault kinds, comma-separated (e.g. primary_kill,proxy_cut,proxy_drop: "
+                             "failovers while the API stays up, so agents keep talking)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the run's files (logs, each round's trainer steps and kills) in this new "
                              "folder instead of a temporary one")
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             base = args.workdir
             base.mkdir(parents=True, exist_ok=False)
         report = run_chaos(ChaosConfig(base=base / "run", seconds=args.minutes * 60, seed=args.seed,
-                                       cluster=args.cluster, wait_replicas=wait, retain_runs=args.retain_runs))
+                                       cluster=args.cluster, wait_replicas=wait, retain_runs=args.retain_runs,
+                                       kinds=set(args.kinds.split(",")) if args.kinds else None))
         print(report.table(), flush=True)
         if args.failover_window:
             for replicas in (0, 1):

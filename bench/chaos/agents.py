@@ -56,6 +56,9 @@ class GatewayAgents:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     engine_timeout_s: float = 3.0  # the run's limit on one engine call: a hung call is retried after it
     instance_of: dict[str, str] = field(default_factory=dict)  # session id -> its instance id
+    answered: Counter[str] = field(default_factory=Counter)  # session id -> turns answered to its agent
+    answers_500: Counter[str] = field(default_factory=Counter)  # what -> answers with status 500
+    wrong_epoch: list[str] = field(default_factory=list)  # sessions answered or finished in another epoch
 
     def _post(self, client: httpx.Client, path: str, body: dict[str, Any], what: str,
               headers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -66,6 +69,10 @@ class GatewayAgents:
                 answer = client.post(path, json=body, headers=headers)
                 if answer.status_code == 200:
                     return answer.json()
+                if answer.status_code == 500:
+                    self.answers_500[what] += 1
+                if answer.status_code == 409 and "epoch" in answer.text:
+                    self.wrong_epoch.append(f"{what}: {answer.text[:200]}")
                 if answer.status_code < 500 and answer.status_code != 429:
                     raise RuntimeError(f"{what}: {answer.status_code} {answer.text[:300]}")
             except httpx.HTTPError:
@@ -115,6 +122,8 @@ class GatewayAgents:
         session = self._post(client, f"/runs/{self.run_id}/sessions", {"instance_id": instance_id, "epoch": 0},
                              "open session")
         self.instance_of[session["session_id"]] = instance_id
+        if session.get("epoch") != 0:
+            self.wrong_epoch.append(f"{session['session_id']}: asked for epoch 0, opened in {session.get('epoch')}")
         # through the chaos proxy (the buffer names its own address): drops and cut answers reach the agent
         agent = openai.OpenAI(base_url=f"{self.url}/v1", api_key=session["api_key"], max_retries=5,
                               timeout=30.0)
@@ -131,6 +140,7 @@ class GatewayAgents:
             messages.append(completion.choices[0].message.model_dump(exclude_none=True, exclude={"parsed"}))
             with self._lock:
                 self.turns += 1
+                self.answered[session["session_id"]] += 1
         self._post(client, f"/sessions/{session['session_id']}/finish", {"reward": float(i % 2)}, "finish",
                    headers={"Authorization": f"Bearer {session['api_key']}"})
         self.finished.append(session["session_id"])
@@ -142,7 +152,9 @@ class GatewayAgents:
         while True:
             try:
                 return agent.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
-            except (openai.APIConnectionError, openai.InternalServerError):
+            except (openai.APIConnectionError, openai.InternalServerError) as exc:
+                if isinstance(exc, openai.InternalServerError) and exc.status_code == 500:
+                    self.answers_500["chat"] += 1
                 if time.monotonic() > deadline:
                     raise
                 self.retries["chat"] += 1

@@ -29,7 +29,7 @@ GROWTH_SLACK = 64 * 2**20
 
 VIOLATIONS = ("trained_twice", "group_lost", "round_unfinished", "not_token_exact", "ack_write_lost",
               "read_twice", "session_lost", "session_read_twice", "session_not_token_exact", "turn_recorded_twice",
-              "agent_gave_up",
+              "agent_gave_up", "turn_lost", "session_wrong_epoch", "spurious_fork", "answer_500",
               "api_rss", "redis_memory", "harness_error")
 
 
@@ -143,6 +143,8 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
         sample_count += sum(len(g[2]) for step in history.steps() for g in step["groups"])
         if history.agents is not None:
             _check_sessions(history, flag)
+    failures = _server_errors(services)
+    flag("answer_500", len(failures), f"{failures[:1]}")
     flag("harness_error", len(scheduler.errors), "; ".join(scheduler.errors[:1]))
     memory = _memory(services, seconds if fault_s is None else fault_s, violations, examples)
     faults = _faults(scheduler, services, rounds)
@@ -161,6 +163,7 @@ def check(seed: int, seconds: float, scheduler: FaultScheduler, services: Servic
               "rollouts written as failed (all runs)": _failed_records(services)}
     if services.cluster is not None:
         counts["primary kills of the trainer run's primary"] = services.restarts.get("primary_kill_of_trainer_run", 0)
+        counts["primary kills right after a replica pause past the wait"] = services.replica_pauses
     for kind in ("api_kill", "redis_kill", "primary_kill", "worker_kill"):
         took = [t for _, k, landed, t in scheduler.history if k == kind and landed]
         if took:  # the kill and the wait until the killed part serves again
@@ -213,8 +216,36 @@ def _check_sessions(history: RoundHistory, flag: Any) -> None:
              if len(r.get("turns") or []) > agents.turns_per_session]
     flag("turn_recorded_twice", len(extra), f"{name}: {extra[:2]}")
     flag("agent_gave_up", len(agents.errors), f"{name}: {agents.errors[:1]}")
+    # an answered turn missing from its session's record: a failover took back what the agent was told
+    short = [f"{r.get('uid')}: {len(r.get('turns') or [])} turns, {agents.answered[r.get('uid')]} answered"
+             for r in agents.reader.received if r.get("status") != "failed"
+             and len(r.get("turns") or []) < agents.answered[r.get("uid")]]
+    flag("turn_lost", len(short), f"{name}: {short[:2]}")
+    # the agents never edit, rewind or compact their history: any fork in a record is one nobody made
+    forked = [f"{r.get('uid')}: {(r.get('extra_info') or {}).get('gateway_forks')} fork(s)"
+              for r in agents.reader.received if (r.get("extra_info") or {}).get("gateway_forks")]
+    flag("spurious_fork", len(forked), f"{name}: {forked[:2]}")
+    misplaced = list(agents.wrong_epoch) + [f"{r.get('uid')}: record in epoch {r.get('epoch')}"
+                                           for r in agents.reader.received if r.get("epoch") not in (None, 0)]
+    flag("session_wrong_epoch", len(misplaced), f"{name}: {misplaced[:2]}")
     flag("agent_gave_up", int(not agents.done.is_set()), f"{name}: the agents had not finished at the deadline "
                                                           f"(retries: {dict(agents.retries)})")
+
+
+def _server_errors(services: Services) -> list[str]:
+    """Answers with status 500 over the run: each is an exception the API did not map (uvicorn logs it as
+    "Exception in ASGI application", with its traceback, in the API's log, across all its lives)."""
+    path = services.base / "api.log"
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if "Exception in ASGI application" in line:
+            tail = next((later for later in lines[i + 1:i + 200] if later and not later.startswith(" ")
+                         and "Traceback" not in later and "During handling" not in later), "")
+            found.append(tail[:200])
+    return found
 
 
 def _failed_records(services: Services) -> int:

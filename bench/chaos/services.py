@@ -35,6 +35,10 @@ ROLLOUT_TIMEOUT_S = 8.0  # a rollout still unfinished after this long is written
 # time out after ENGINE_CALL_TIMEOUT_S and are retried, so a hang costs a retry, not the rollout)
 TASK_LEASE_S = 2.0  # a killed worker's jobs are taken over by another after this long (claims renewed every third)
 WORKERS = 2  # rollout worker processes: one rolls out while the other restarts
+# on a cluster, before this share of primary kills the victim's replica is SIGSTOPped for longer than the
+# server's 2 s replica wait (`--redis-wait-replicas`), and the primary is killed before the replica resumes
+REPLICA_PAUSE_P = 0.5
+REPLICA_PAUSE_S = 2.5
 SESSION_TIMEOUT_S = 20.0  # a gateway session whose agent lost it (its answer cut by a kill) is closed as failed
 
 
@@ -93,6 +97,7 @@ class Services:
     restarts: dict[str, int] = field(default_factory=dict)
     api_lock: threading.Lock = field(default_factory=threading.Lock)
     worker_lock: threading.Lock = field(default_factory=threading.Lock)
+    replica_pauses: int = 0  # primary kills that came after their replica was paused past the replica wait
     primary_rng: random.Random = field(default_factory=random.Random)  # which primary a kill takes (seeded)
 
     @property
@@ -257,7 +262,20 @@ class Services:
         victim = self.primary_rng.choice(sorted(self.cluster.primaries()))
         if current and victim == self.cluster.primary_of_key(keys.run_meta(current)):
             self._restarted("primary_kill_of_trainer_run")
-        self.cluster.kill(victim)
+        replica = self.cluster.replica_of(victim)
+        paused = self.primary_rng.random() < REPLICA_PAUSE_P
+        if paused:
+            # the replica stops acknowledging for longer than the server's replica wait: every write of the
+            # victim's slots meanwhile must answer 503, and none of them may be answered later from the
+            # primary's copy alone, since the primary dies before the replica hears of them
+            self.cluster.pause(replica)
+            time.sleep(REPLICA_PAUSE_S)
+            self.replica_pauses += 1
+        try:
+            self.cluster.kill(victim)
+        finally:
+            if paused:
+                self.cluster.resume(replica)
         self.cluster.wait_failover(victim)
         self.cluster.restart(victim)
         # in sync before the next kill: a primary killed while its only replica still loads would take its

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from rollout_buffer import __version__
 from rollout_buffer.api.bodies import install_openapi
 from rollout_buffer.api.errors import BodySizeLimit, install_error_handlers
+from rollout_buffer.api.replicated_answers import ReplicatedAnswers
 from rollout_buffer.api.fast_write import FastWrite
 from rollout_buffer.api.gateway import app as gateway
 from rollout_buffer.api.responses import OrjsonResponse
@@ -133,6 +134,8 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     # innermost: single-record writes answered without the framework's routing (inside the limit and auth)
     app.add_middleware(FastWrite)
+    # around every route: an answer that acknowledges state waits for the replicas first (`store.acks`)
+    app.add_middleware(ReplicatedAnswers)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(SessionKeyScope)  # an agent's session key opens the gateway's paths only
     token = settings.resolved_auth_token()

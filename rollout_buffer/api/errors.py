@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_buffer.api.responses import OrjsonResponse
+from rollout_buffer.store.redis_client import is_outage, outage_of
 from rollout_buffer.wire.packing import PackingError
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,31 @@ async def _http_handler(request: Request, exc: StarletteHTTPException) -> Orjson
     return error_response(exc.status_code, str(exc.detail))
 
 
+RETRY_AFTER_S = 1
+
+
+def retry_response(message: str) -> OrjsonResponse:
+    """503 "retry" with `Retry-After`: what every Redis outage answers, on every route."""
+    answer = error_response(503, message)
+    answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return answer
+
+
 async def _redis_down_handler(request: Request, exc: Exception) -> OrjsonResponse:
-    """Redis unreachable (restarting, network): the request may or may not have taken effect, so the client
-    retries it; writes (by uid), leased reads (by batch_id) and acks are idempotent."""
+    """Redis unreachable (restarting, network, a cluster slot failing over, too few replicas): the request
+    may or may not have taken effect, so the client retries it; writes (by uid), leased reads (by batch_id),
+    acks, turns (by request) and finishes are idempotent."""
     log.warning("%s %s: redis unavailable: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-    return error_response(503, f"redis unavailable; retry the request (writes, leased reads and acks are "
-                               f"idempotent): {type(exc).__name__}: {exc}")
+    return retry_response(f"redis unavailable; retry the request (writes, leased reads and acks are "
+                          f"idempotent): {type(exc).__name__}: {exc}")
+
+
+async def _client_bug_handler(request: Request, exc: Exception) -> OrjsonResponse:
+    """redis-py's own failures during a failover (`redis_client.is_outage`) are outages: 503 "retry". Any
+    other error of these types is ours, and stays a 500."""
+    if not is_outage(exc):
+        raise exc
+    return await _redis_down_handler(request, outage_of(exc))
 
 
 async def _unstorable_handler(request: Request, exc: Exception) -> OrjsonResponse:
@@ -70,6 +90,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
     for error in (RedisConnectionError, RedisTimeoutError, BusyLoadingError):
         app.add_exception_handler(error, _redis_down_handler)
+    for error in (AttributeError, RuntimeError):
+        app.add_exception_handler(error, _client_bug_handler)
 
 
 class BodySizeLimit:

@@ -10,8 +10,8 @@ On a cluster every run key carries the run's hash tag (`rollout_buffer.store.key
 multi-key command of a run goes to the one node owning that run's slot; global keys are touched one per
 command. A cluster that cannot serve part of its slots (a node down, CLUSTERDOWN, TRYAGAIN during a
 failover, slots not covered, a connection closed under a command) raises `ClusterUnavailableError`, a
-`ConnectionError`: the API answers 503 "retry" and workers retry, as for a single Redis that went away. `check_mode` refuses a URL whose server is
-not what the settings say (a cluster node without `--redis-cluster` would answer MOVED for most keys; a
+`ConnectionError`: the API answers 503 "retry" and workers retry, as for a single Redis that went away. That
+mapping lives in `outage_of` and nowhere else. `check_mode` refuses a URL whose server is not what the settings say (a cluster node without `--redis-cluster` would answer MOVED for most keys; a
 single server with it has no cluster to join).
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -47,25 +48,49 @@ class ClusterUnavailableError(RedisConnectionError):
     """Part of the Redis Cluster cannot serve: to callers, the same as a lost connection."""
 
 
-# Errors that mean "this part of the cluster cannot answer now". The RuntimeError is uvloop's answer to a
-# write on a connection closed under it (redis-py expects an OSError there): redis-py closes every node's
-# connections when re-learning the topology fails, while other tasks are using them.
-_OUTAGES = (ClusterDownError, TryAgainError, SlotNotCoveredError, RuntimeError)
+# Errors that mean "this part of the cluster cannot answer now". Two of them are redis-py's own bug (read in
+# redis-py 8.1.0, the newest release, `redis/asyncio/cluster.py`): on ClusterDownError or SlotNotCoveredError
+# `RedisCluster._execute_command` calls `self.aclose()`, which disconnects every connection of every node,
+# including those other tasks are in the middle of using. Such a task then writes to a connection whose
+# `_writer` is gone: `AttributeError: 'NoneType' object has no attribute 'writelines'` (or `read`, on the
+# reply side) from `redis/asyncio/connection.py`, or uvloop's RuntimeError "handler is closed" (redis-py
+# expects an OSError there). Neither is a ConnectionError, so without this mapping they answered 500.
+_OUTAGES = (ClusterDownError, TryAgainError, SlotNotCoveredError, RuntimeError, AttributeError)
 
 
-def _is_outage(exc: BaseException) -> bool:
+def _inside_redis_py(exc: BaseException) -> bool:
+    """Whether `exc` was raised by redis-py's own code (its last frame in the `redis` package)."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    return last is not None and f"{os.sep}redis{os.sep}" in last.tb_frame.f_code.co_filename
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether `exc` means "Redis (part of the cluster) cannot answer now": retry later, not a bug of ours."""
+    if isinstance(exc, RedisConnectionError):
+        return True
     if isinstance(exc, RuntimeError):
         return "handler is closed" in str(exc)
+    if isinstance(exc, AttributeError):
+        return "NoneType" in str(exc) and _inside_redis_py(exc)
     return isinstance(exc, _OUTAGES)
 
 
-def _outage(exc: BaseException) -> BaseException:
-    """The error callers see for `exc`: cluster outages become `ClusterUnavailableError`, the rest stay."""
-    if _is_outage(exc):
-        error = ClusterUnavailableError(f"Redis Cluster unavailable: {type(exc).__name__}: {exc}")
+def outage_of(exc: BaseException) -> BaseException:
+    """The error callers see for `exc`: outages become `ClusterUnavailableError` (a ConnectionError: 503
+    "retry" at the API), the rest stay as they are."""
+    if is_outage(exc) and not isinstance(exc, RedisConnectionError):
+        error = ClusterUnavailableError(f"Redis unavailable: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
     return exc
+
+
+_is_outage = is_outage
+_outage = outage_of
 
 
 class _Permits:
@@ -117,8 +142,16 @@ class BoundedRedisCluster(RedisCluster):
         kwargs["max_connections"] = 2 * max_in_flight
         super().__init__(*args, **kwargs)
         self.permits = _Permits(max_in_flight, wait_s)
+        self.sent_once: set[str] = set()  # shas of scripts never re-sent by the client (`send_once`)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] == "EVALSHA" and args[1] in self.sent_once and "target_nodes" not in kwargs \
+                and int(args[2]) > 0:
+            # redis-py re-sends a command after a connection error unless its node is named: named, it is
+            # sent once (MOVED and ASK are still followed: those mean the script did not run)
+            if self._initialize:
+                await self.initialize()
+            kwargs["target_nodes"] = self.get_node_from_key(args[3])
         try:
             return await self.permits.run(lambda: super(BoundedRedisCluster, self).execute_command(*args, **kwargs))
         except _OUTAGES as exc:
@@ -144,6 +177,16 @@ class BoundedRedisCluster(RedisCluster):
         if shard_hint:
             return super().pipeline(transaction, shard_hint)  # refused by redis-py, with its message
         return BoundedPipeline(self, transaction)
+
+
+def send_once(client: RedisClient, script: Any) -> Any:
+    """Mark `script` (a registered Script) as one the client must never re-send on its own: a script that is
+    not idempotent (it adds to counters) and whose reply was lost ran once already, maybe. Its caller gets
+    the connection error instead (503 "retry" at the API). Only the cluster client re-sends (the one-server
+    client's connections come from a pool built without retries)."""
+    if isinstance(client, BoundedRedisCluster):
+        client.sent_once.add(script.sha)
+    return script
 
 
 def connect(url: str, *, cluster: bool = False, max_connections: int = 128) -> RedisClient:

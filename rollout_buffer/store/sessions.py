@@ -16,34 +16,13 @@ from typing import Any
 
 import numpy as np
 import orjson
-from redis.exceptions import NoScriptError
 
-from rollout_buffer.store import keys
-from rollout_buffer.store.lua import ADMISSION_FUNCTION
+from rollout_buffer.store import acks, keys
+from rollout_buffer.store.session_lua import OPEN_SESSION, PUT_TURN
 from rollout_buffer.store.session_turns import Node, resolve
 from rollout_buffer.store.store import Store, text
 
 OPEN = "open"
-
-# KEYS: 1 meta 2 stats 3 gstarted 4 session_seq. ARGV: 1 instance_id 2 group_size 3 epoch ('' = the next
-# free place). A session that starts a new group is admitted under the run's staleness bound with the
-# runtime's rule (`store.lua.ADMISSION_FUNCTION`): refused while started-but-unconsumed groups number
-# (max_staleness + 1) x the groups per read. Returns {admitted 1|0, epoch}; a refusal changes nothing.
-ADMIT = ADMISSION_FUNCTION + """
-local epoch = tonumber(ARGV[3])
-if not epoch then
-  epoch = math.floor(tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0') / tonumber(ARGV[2]))
-end
-local gid = epoch .. ':' .. ARGV[1]
-if redis.call('HEXISTS', KEYS[3], gid) == 0 then
-  if admission_full(KEYS[1], KEYS[2]) then return {0, epoch} end
-  redis.call('HSET', KEYS[3], gid, '0')
-  redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
-end
-if not tonumber(ARGV[3]) then redis.call('HINCRBY', KEYS[4], ARGV[1], 1) end
-return {1, epoch}
-"""
-
 
 class AdmissionClosed(RuntimeError):
     """The run's staleness bound admits no new group now; the client retries later."""
@@ -112,7 +91,8 @@ class SessionStore:
         self.store = store
         self.redis = store.redis
         self.turns = NodeCache()
-        self._admit = store.redis.register_script(ADMIT)
+        self._open = store.redis.register_script(OPEN_SESSION)
+        self._put = store.redis.register_script(PUT_TURN)
         self._facts: OrderedDict[str, Session] = OrderedDict()  # sessions' fixed facts (status not kept fresh)
 
     def known(self, session_id: str) -> Session | None:
@@ -126,27 +106,23 @@ class SessionStore:
         `(k - 1) // group_size`, so sessions fill groups in order. AdmissionClosed when it would start a group
         the staleness bound does not admit now. `idle_clock=False`: never finished by the
         idle timeout (a rollout's own session, `rollout_buffer.runtime.rollout_session`)."""
-        admitted, epoch = await self._admit(
-            keys=[keys.run_meta(run_id), keys.stats(run_id), keys.group_started(run_id), keys.session_seq(run_id)],
-            args=[instance_id, group_size, "" if epoch is None else epoch])
+        now = time.time()
+        fields = orjson.dumps({"instance_id": instance_id, "key_digest": key_digest, "created_at": now,
+                               "metadata": metadata, "scope": scope})
+        # one script, idempotent by the session id: a re-send after a lost reply answers the same epoch
+        admitted, epoch = await self._open(
+            keys=[keys.run_meta(run_id), keys.stats(run_id), keys.group_started(run_id), keys.session_seq(run_id),
+                  keys.sessions(run_id), keys.session_status(run_id), keys.session_open(run_id)],
+            args=[instance_id, group_size, "" if epoch is None else epoch, session_id, fields, now,
+                  "1" if idle_clock else "0"])
         if not int(admitted):
             raise AdmissionClosed(f"the run's staleness bound admits no new group now (instance {instance_id!r}, "
                                   f"epoch {epoch}); retry after the trainer has read")
-        epoch = int(epoch)
-        now = time.time()
-        session = Session(session_id, run_id, instance_id, epoch, key_digest, now, metadata, OPEN, scope)
-        fields = {"instance_id": instance_id, "epoch": epoch, "key_digest": key_digest, "created_at": now,
-                  "metadata": metadata, "scope": scope}
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(keys.sessions(run_id), session_id, orjson.dumps(fields))
-        pipe.hset(keys.session_status(run_id), session_id, OPEN)
-        if idle_clock:
-            pipe.zadd(keys.session_open(run_id), {session_id: now})
-        await pipe.execute()
         await self.store.replicated(run_id)
-        return session
+        return Session(session_id, run_id, instance_id, int(epoch), key_digest, now, metadata, OPEN, scope)
 
     async def get(self, run_id: str, session_id: str) -> Session | None:
+        acks.owe(run_id)  # an answer about a session (its status, its epoch) acknowledges what was stored
         pipe = self.redis.pipeline(transaction=False)
         pipe.hget(keys.sessions(run_id), session_id)
         pipe.hget(keys.session_status(run_id), session_id)
@@ -175,7 +151,9 @@ class SessionStore:
                     histories: list[bytes]) -> tuple[str, int | None, list[int | None], int]:
         """(the session's status, the turn that answered this exact request, the turns whose history ends as
         each of `histories` (longest first), the session's turn count). One round trip when the longest history
-        is a turn's (an agent going on), two otherwise."""
+        is a turn's (an agent going on), two otherwise. A turn answered from what this finds (a replay) waits
+        for the replicas like the turn's own store did (`acks`)."""
+        acks.owe(run_id)
         fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories[:1])]
         pipe = self.redis.pipeline(transaction=False)
         pipe.hmget(keys.session_index(run_id), fields)
@@ -226,31 +204,24 @@ class SessionStore:
         resolve(found)
         return [found[i] for i in sorted(found)]
 
-    async def next_index(self, run_id: str, session_id: str) -> int:
-        return int(await self.redis.hincrby(keys.session_nodes(run_id), _count_field(session_id), 1)) - 1
-
     async def put_turn(self, run_id: str, session_id: str, node: Node, *, history: bytes, request: bytes,
-                       stats: dict[str, int]) -> None:
-        """Store turn `node`, index it by the history through its answer and by its request, and add `stats`
-        to the run's counters: one round trip."""
-        self.turns.put(session_id, node)
-        index = keys.session_index(run_id)
-        pipe = self.redis.pipeline(transaction=False)
-        args = [x for name, amount in stats.items() if amount for x in (name, amount)]
-        script, script_keys = self.store.scripts["INCR_STATS"], [keys.run_meta(run_id), keys.stats(run_id)]
-        # EVALSHA queued as a command: redis-py refuses a Script called on a cluster pipeline
-        pipe.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
-        pipe.hset(keys.session_nodes(run_id), _node_field(session_id, node.index), node.pack())
-        pipe.hset(index, f"{session_id}|p|{history.hex()}", node.index)
-        pipe.hset(index, f"{session_id}|r|{request.hex()}", node.index)
-        pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)
-        replies = await pipe.execute(raise_on_error=False)
-        if isinstance(replies[0], NoScriptError):  # the server lost its scripts (restarted): load and count
-            replies[0] = await script(keys=script_keys, args=args)
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                raise reply
-        await self.store.replicated(run_id)  # a turn an agent was answered for survives a failover
+                       stats: dict[str, int]) -> tuple[str, int]:
+        """Number and store turn `node` in one script (`session_lua.PUT_TURN`), index it by the history through
+        its answer and by its request, and add `stats` to the run's counters. Returns ("stored", index),
+        ("duplicate", index of the turn stored for this request) or ("renumber", the number to pack it with:
+        another turn took `node.index` first; nothing was stored). Waits for the replicas only after a store."""
+        args = [session_id, node.index, node.pack(), f"{session_id}|p|{history.hex()}",
+                f"{session_id}|r|{request.hex()}", time.time(),
+                *(x for name, amount in stats.items() if amount for x in (name, amount))]
+        outcome, index = await self._put(
+            keys=[keys.run_meta(run_id), keys.stats(run_id), keys.session_nodes(run_id), keys.session_index(run_id),
+                  keys.session_open(run_id)], args=args)
+        outcome, index = text(outcome) or "", int(index)
+        if outcome == "stored":
+            self.turns.put(session_id, node)
+        if outcome != "renumber":
+            await self.store.replicated(run_id)  # a turn an agent is answered with survives a failover
+        return outcome, index
 
     async def touch(self, run_id: str, session_id: str) -> None:
         """The session is in use (its idle clock restarts)."""

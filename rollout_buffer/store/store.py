@@ -13,10 +13,10 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.store import handover_lua, keys
+from rollout_buffer.store import acks, handover_lua, keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.store.lua import GROUP_FUNCTIONS
-from rollout_buffer.store.redis_client import RedisClient, check_mode, connect
+from rollout_buffer.store.redis_client import RedisClient, check_mode, connect, send_once
 from rollout_buffer.store.replication import wait_for_replicas
 from rollout_buffer.wire.packing import pack_record
 from rollout_buffer.wire.versions import record_version
@@ -64,6 +64,7 @@ class Store:
         sources = {"WRITE_RECORD": WRITE_RECORD, "INCR_STATS": INCR_STATS, "SET_POLICY_VERSION": SET_POLICY_VERSION,
                    **{name: getattr(handover_lua, name) for name in handover_lua.__all__}}
         self.scripts = {name: client.register_script(source) for name, source in sources.items()}
+        send_once(client, self.scripts["INCR_STATS"])  # counters: a re-send would count twice
         self._writes: Coalescer[ScriptCall, Any] = Coalescer(lambda calls: run_scripts(self.redis, calls))
         self._write_keys: dict[str, list[str]] = {}
 
@@ -266,6 +267,12 @@ class Store:
         if self.wait_replicas:
             await wait_for_replicas(self.redis, run_id, self.wait_replicas, self.replica_timeout_ms,
                                     barrier_key=barrier_key)
+        acks.paid(run_id, barrier_key)
+
+    async def settle(self, debts: set[acks.Debt]) -> None:
+        """Pay every replica wait in `debts` (`acks`): what an answer acknowledges is on the replicas."""
+        for run_id, barrier_key in sorted(debts, key=lambda debt: (debt[0], debt[1] or "")):
+            await self.replicated(run_id, barrier_key=barrier_key)
 
 
 # ----- the Lua this module runs (the hand-over's: `handover_lua`; shared functions: `lua`) -----

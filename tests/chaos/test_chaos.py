@@ -71,8 +71,11 @@ def test_chaos_with_retention_of_one_run(tmp_path: Path) -> None:
 
 def test_chaos_on_a_redis_cluster_with_replicas_and_primary_kills(tmp_path: Path) -> None:
     """3 primaries + 3 replicas, `--redis-wait-replicas 1`: primaries serving the run are killed (replica
-    promoted, the node restarted as a replica) among the other faults, at half the rate for 30 s: at the
+    promoted, the node restarted as a replica), half of them while their replica is paused (SIGSTOP) past
+    the 2 s replica wait, among the other faults, at half the rate for 30 s: at the
     full rate the failovers leave the engine almost no rollout to fail within 20 s."""
     report = run_chaos(_short(tmp_path, seed=3, cluster=True, wait_replicas=1, min_gap_s=1.6, max_gap_s=7.2,
                               seconds=30, finish_s=120))
     _assert_clean(report, EMBEDDED_KINDS - {"redis_kill"} | {"primary_kill"})
+    assert report.counts["primary kills right after a replica pause past the wait"] > 0, \
+        "some primaries died while their replica was paused past the replica wait"

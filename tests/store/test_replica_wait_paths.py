@@ -2,9 +2,9 @@
 
 A cluster of 3 primaries + 3 replicas. For each kind of acknowledged write (a run started, a record, a
 leased read, a lease renewal, an ack, a policy version, a gateway session opened, a turn, a session
-finished) the replica of the run's primary is made deaf for a moment (`DEBUG SLEEP`): the write must then
-answer 503 naming the flag (not acknowledged: the client retries), and once the replica is back the retry
-is answered. A path that skipped the replica barrier would answer 200 for a write a failover could lose.
+finished, and a turn's retry answered from the stored turn) the replica of the run's primary is made deaf
+for longer than the wait (`DEBUG SLEEP`): the answer must then be 503 naming the flag (not acknowledged:
+the client retries), and once the replica is back the retry is answered. A path that skipped the replica barrier would answer 200 for a write a failover could lose.
 Then the primary is SIGKILLed right after the last answers, its replica promoted: every acknowledged write
 is still there (the lease still held, the acked group never handed again, the session's turns and record).
 """
@@ -103,6 +103,16 @@ def test_every_acknowledged_write_waits_for_a_replica_and_survives_a_failover(
         assert refused.value.status_code == 503, "a turn is answered only once a replica has it"
         deaf.join(timeout=30)
         turn = agent.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        # the same request again is answered from the stored turn: that answer acknowledges the turn as much
+        # as the first did, so it too waits for the replica (it once answered 200 at once, from the primary)
+        deaf = _deaf_replica(cluster, run_id)
+        with pytest.raises(openai.APIStatusError) as refused:
+            agent.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.status_code == 503, "a replayed turn is answered only once a replica has it"
+        assert refused.value.response.headers.get("retry-after") == "1"
+        deaf.join(timeout=30)
+        replayed = agent.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        assert replayed.choices[0].message.content == turn.choices[0].message.content
         auth = {"Authorization": f"Bearer {opened['api_key']}"}
         _refused_then_answered(cluster, run_id, "finish", post(
             f"/sessions/{opened['session_id']}/finish", {"reward": 1.0}, headers=auth))

@@ -62,6 +62,7 @@ class LocalRedisCluster:
     replicas: int = 0
     ports: list[int] = field(default_factory=list)
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    paused: set[int] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -169,8 +170,23 @@ class LocalRedisCluster:
         self._wait("every replica in sync with its primary", synced)
 
     def live(self) -> list[int]:
-        """Indices of the nodes whose process runs."""
-        return [i for i, proc in enumerate(self.processes) if proc.poll() is None]
+        """Indices of the nodes whose process runs (and is not paused: a paused node answers nothing)."""
+        return [i for i, proc in enumerate(self.processes) if proc.poll() is None and i not in self.paused]
+
+    def replica_of(self, primary: int) -> int:
+        """A live replica of primary `primary` (nodes `i` and `i + k * nodes` serve the same slots)."""
+        return next(i for i in self.live() if i != primary and i % self.nodes == primary % self.nodes)
+
+    def pause(self, index: int) -> None:
+        """SIGSTOP node `index`: it answers nothing and acknowledges no replication until `resume`, while
+        its sockets stay open (a replica so paused keeps its link to its primary)."""
+        self.processes[index].send_signal(signal.SIGSTOP)
+        self.paused.add(index)
+
+    def resume(self, index: int) -> None:
+        """SIGCONT a node `pause` stopped."""
+        self.processes[index].send_signal(signal.SIGCONT)
+        self.paused.discard(index)
 
     def role(self, index: int) -> str:
         """`master` or `slave`, as node `index` says."""
@@ -269,6 +285,8 @@ class LocalRedisCluster:
         return found
 
     def stop(self) -> None:
+        for index in list(self.paused):
+            self.resume(index)
         for proc in self.processes:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -27,6 +27,9 @@ from rollout_buffer.store.sessions import Session
 from rollout_buffer.runtime.sglang_client import merge_sampling
 
 
+_RENUMBER_TRIES = 8  # turns of one session stored side by side: each retry finds the next free number
+
+
 class SessionClosed(RuntimeError):
     """The session was finished (by its client, or the idle timeout) and takes no more requests."""
 
@@ -151,24 +154,40 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     # the engine), readable in the engine's logs
     client.rid_prefix = f"{sid}:{count}.{secrets.token_hex(3)}"
     turn, text = await client.generate_turn(prompt, params)
-    index = await store.next_index(run_id, sid)  # numbered once generated: a failed call leaves no gap
-    parsed = ctx.parser.parse(text, id_prefix=f"call_{index}")
-    message = parsed.message()
-    node = Node(index=index, parent=-1 if parent is None else parent.index, new_messages=new, message=message,
-                prompt_ids=prompt, output_ids=np.asarray(turn["output_ids"], dtype=np.int32),
-                output_logprobs=np.asarray(turn["output_logprobs"], dtype=np.float64),
-                finish_reason=str(turn["finish_reason"]), weight_version=turn.get("weight_version"),
-                version_spans=turn.get("version_spans"), history_len=len(messages), tools=tools, fork_reason=fork,
-                created_at=time.time(), started_at=arrived, extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {},
-                **replay_fields(turn),
-                chain=[] if parent is None else [*parent.chain, parent.index],
-                base=0 if parent is None else len(parent.prompt_ids) + len(parent.output_ids))
-    counters = {"gateway_turns": 1, "gateway_prompt_tokens": len(prompt), "gateway_output_tokens": len(node.output_ids)}
-    if fork is not None:
-        counters[f"gateway_forks:{fork}"] = 1
-        counters["gateway_forks"] = 1
-    if parsed.malformed:
-        counters["gateway_malformed_tool_calls"] = parsed.malformed
-    await store.put_turn(run_id, sid, node, history=history.extend(digests[-1], message), request=request,
-                         stats=counters)
+    # numbered and stored in one script (`session_lua.PUT_TURN`): packed with the count the probe saw, packed
+    # again with the next free number if another turn of the session was stored meanwhile, so no failure
+    # leaves a numbered gap (which the next turn would read as a rewind the client never made)
+    index = count
+    for _ in range(_RENUMBER_TRIES):
+        parsed = ctx.parser.parse(text, id_prefix=f"call_{index}")
+        message = parsed.message()
+        node = Node(index=index, parent=-1 if parent is None else parent.index, new_messages=new, message=message,
+                    prompt_ids=prompt, output_ids=np.asarray(turn["output_ids"], dtype=np.int32),
+                    output_logprobs=np.asarray(turn["output_logprobs"], dtype=np.float64),
+                    finish_reason=str(turn["finish_reason"]), weight_version=turn.get("weight_version"),
+                    version_spans=turn.get("version_spans"), history_len=len(messages), tools=tools,
+                    fork_reason=fork, created_at=time.time(), started_at=arrived,
+                    extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {},
+                    **replay_fields(turn),
+                    chain=[] if parent is None else [*parent.chain, parent.index],
+                    base=0 if parent is None else len(parent.prompt_ids) + len(parent.output_ids))
+        counters = {"gateway_turns": 1, "gateway_prompt_tokens": len(prompt),
+                    "gateway_output_tokens": len(node.output_ids)}
+        if fork is not None:
+            counters[f"gateway_forks:{fork}"] = 1
+            counters["gateway_forks"] = 1
+        if parsed.malformed:
+            counters["gateway_malformed_tool_calls"] = parsed.malformed
+        outcome, stored = await store.put_turn(run_id, sid, node, history=history.extend(digests[-1], message),
+                                               request=request, stats=counters)
+        if outcome == "stored":
+            break
+        if outcome == "duplicate":  # this request's turn was stored first (a re-sent script, a twin request)
+            [earlier] = await store.nodes(run_id, sid, [stored])
+            if earlier is not None:
+                return TurnAnswer(earlier, ParsedOutput.from_message(earlier.message), replayed=True)
+        index = stored
+    else:
+        raise TurnRequestError("messages", f"session {sid}: its turns kept changing while this one was stored; "
+                                           f"send the request again")
     return TurnAnswer(node, parsed, replayed=False)
