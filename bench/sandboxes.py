@@ -31,9 +31,25 @@ AGENT = ("import os, urllib.request; urllib.request.urlopen(urllib.request.Reque
 LIMITS = Limits(pids=128, disk_mb=256)
 
 
+IMAGE: dict[str, str] = {}  # the docker rows' image, found by `unavailable`
+
+
 def _options(backend: str) -> dict[str, Any]:
-    return {"image": os.environ.get("ROLLOUT_BUFFER_BENCH_IMAGE", "rollout-buffer-test-base")} if backend == "docker" \
-        else {}
+    return {"image": IMAGE["docker"]} if backend == "docker" else {}
+
+
+async def _find_image() -> str | None:
+    """`ROLLOUT_BUFFER_BENCH_IMAGE`, else the test suite's base image (tests/support/docker_env.py), if the Engine
+    has it: any image with python3 does."""
+    import aiodocker
+
+    wanted = os.environ.get("ROLLOUT_BUFFER_BENCH_IMAGE")
+    async with aiodocker.Docker(url=os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")) as docker:
+        for image in await docker.images.list():
+            for tag in image.get("RepoTags") or []:
+                if tag == wanted or (not wanted and tag.startswith("rollout-buffer-test-base:")):
+                    return tag
+    return None
 
 
 def unavailable(backend: str) -> str | None:
@@ -48,6 +64,11 @@ def unavailable(backend: str) -> str | None:
         host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
         if host.startswith("unix://") and not os.path.exists(host.removeprefix("unix://")):
             return f"no Docker Engine at {host}"
+        image = asyncio.run(_find_image())
+        if image is None:
+            return ("no image: set ROLLOUT_BUFFER_BENCH_IMAGE to a local image with python3, or run the docker "
+                    "tests once (they build rollout-buffer-test-base)")
+        IMAGE["docker"] = image
     return None
 
 
@@ -88,8 +109,10 @@ async def start_stop(backend: str, upstream: str, n: int, pool: int) -> dict[str
         await prepared.release()
         samples.append(time.perf_counter() - started)
         assert run.ok, run.stderr
-        if holder is not None:
-            while len(holder.ready) < pool:  # measure the take, not the refill racing it
+        if holder is not None:  # measure the take, not the refill racing it
+            deadline = time.monotonic() + 60
+            while len(holder.ready) < pool and time.monotonic() < deadline:
+                holder.refill()  # a refill that failed is tried again
                 await asyncio.sleep(0.005)
     if holder is not None:
         await holder.close()
@@ -121,7 +144,7 @@ async def measure(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"backends": {}}
     try:
         for backend in ("local", "bwrap", "docker"):
-            why = unavailable(backend)
+            why = await asyncio.to_thread(unavailable, backend)
             if why:
                 out["backends"][backend] = {"skipped": why}
                 continue

@@ -71,10 +71,11 @@ class SandboxPool:
         if self._reaper is None:
             self._reaper = asyncio.ensure_future(self._reap_when_idle())
         made = self.ready.popleft() if self.ready else None
-        self._refill()
+        self.refill()
         return made if made is not None else await self.make()
 
-    def _refill(self) -> None:
+    def refill(self) -> None:
+        """Start making sandboxes until `size` are ready or being made."""
         while not self.closed and len(self.ready) + len(self._filling) < self.size:
             task = asyncio.ensure_future(self._fill_one())
             self._filling.add(task)

@@ -144,6 +144,14 @@ def base_tarball() -> Path:
     if shutil.which("mmdebstrap") is None:
         pytest.fail(f"mmdebstrap is missing, and the docker tests build their base image with it: {INSTALL_HINT}")
     CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{tarball.name}.lock", "w") as lock:  # one build at a time (xdist workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if tarball.exists():
+            return tarball
+        return _build(tarball)
+
+
+def _build(tarball: Path) -> Path:
     partial = tarball.with_suffix(f".{os.getpid()}.partial.tar")
     try:
         done = subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(INCLUDE)}", SUITE,
