@@ -133,3 +133,23 @@ def test_what_the_operator_allows(rollout_engine: Any, qwen_tokenizer_path: str,
             assert answer.status_code == status and named in answer.text, answer.text
         assert client.get("/runs").json().get("runs", []) == [], "nothing stored"
 
+
+
+@pytest.mark.timeout(600)
+def test_a_missing_image_is_refused_at_start(client: httpx.Client, server: ServerProcess, rollout_engine: Any,
+                                             qwen_tokenizer_path: str, tmp_path: Path, scripts: Path,
+                                             request: pytest.FixtureRequest) -> None:
+    options = {**sandbox_options(request, "docker", []), "image": "rollout-buffer-no-such-image:0"}
+    agent = {"command": [SYSTEM_PYTHON, str(scripts / "hostile_agent.py")], "sandbox": {"backend": "docker",
+                                                                                        "options": options}}
+    answer = start_agent_run(client, server.url, tmp_path, arithmetic_rows(1), agent, engine_url=rollout_engine.url,
+                             tokenizer_path=qwen_tokenizer_path)
+    assert answer.status_code == 400 and "rollout-buffer-no-such-image:0" in answer.text, answer.text
+    assert "agent.sandbox.options" in answer.text
+    run_id = json.loads(answer.request.content)["run_id"]
+    assert client.get(f"/runs/{run_id}").status_code == 404, "nothing stored"
+
+
+def test_local_says_at_start_that_it_isolates_nothing(server: ServerProcess) -> None:
+    log = server.log_path.read_text()
+    assert "--agent-sandbox local: agent commands run as this server's user with no isolation" in log
