@@ -20,6 +20,7 @@ import orjson
 from rollout_buffer.metrics.histograms import HANDOVER_DELAY
 from rollout_buffer.store import keys
 from rollout_buffer.store.handover import ReadBatch
+from rollout_buffer.store.once import ONCE_LUA, new_token
 from rollout_buffer.store.store import Store
 
 MAX_READS = 1000
@@ -27,9 +28,10 @@ REWARD_BINS = 10
 
 # KEYS: 1 meta 2 stats 3 read_log. ARGV: 1 summary JSON 2 entries kept, then (stats field, amount) pairs.
 # Appends the summary and adds the counters unless the run is gone (its keys are never re-created).
-RECORD_READ = """
+RECORD_READ = ONCE_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'deleted' then return 0 end
+if not first_call(KEYS[4]) then return 0 end  -- this call, re-sent by the client library: logged already
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('LTRIM', KEYS[3], -tonumber(ARGV[2]), -1)
 for i = 3, #ARGV, 2 do
@@ -107,7 +109,8 @@ async def record_read(store: Store, run_id: str, batch: ReadBatch, records: list
     args: list[Any] = [orjson.dumps(summary, option=orjson.OPT_SERIALIZE_NUMPY), MAX_READS]
     for name, amount in counters.items():
         args.extend((name, amount))
-    await script(keys=[keys.run_meta(run_id), keys.stats(run_id), keys.read_log(run_id)], args=args)
+    await script(keys=[keys.run_meta(run_id), keys.stats(run_id), keys.read_log(run_id),
+                       keys.once(run_id, new_token())], args=args)
 
 
 async def recent_reads(store: Store, run_id: str, count: int = 200) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ from rollout_buffer.runtime.plan import iter_job_plan, planned_jobs
 from rollout_buffer.store import keys
 from rollout_buffer.store.batching import Coalescer, ScriptCall, run_scripts
 from rollout_buffer.store.lua import ADMISSION_FUNCTION
+from rollout_buffer.store.once import ONCE_LUA, new_token
 from rollout_buffer.store.redis_client import RedisClient
 from rollout_buffer.store.stream_lua import STREAM_FUNCTIONS
 
@@ -95,14 +96,14 @@ end
 local old = redis.call('HGET', KEYS[1], ARGV[1]) or 'queued'
 """
 
-# KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream 8 gstarted.
+# KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream 8 gstarted 9 this call's marker.
 # ARGV: 1 job id 2 instance id 3 now 4 entry id 5 consumer group 6 group id ("epoch:instance_id")
 #       7 the job's group generation.
 # A delivered job: its run gone or retired -> ack; already finished -> ack; group trained already
 # (skipped by the trainer) -> skipped + ack; the first job of its group (generation) while admission is
 # full -> {'deferred', 0, false}, nothing changed, not acked; otherwise running, one more attempt, and its
 # input line. Returns {previous state, attempts, line or false}.
-_START = ADMISSION_FUNCTION + """
+_START = ADMISSION_FUNCTION + ONCE_LUA + """
 local status = redis.call('HGET', KEYS[3], 'status')
 if status ~= 'running' and status ~= 'finished' then
   redis.call('XACK', KEYS[7], ARGV[5], ARGV[4])
@@ -123,6 +124,9 @@ if redis.call('HGET', KEYS[8], ARGV[6]) ~= ARGV[7] then
   redis.call('HSET', KEYS[8], ARGV[6], ARGV[7])
   redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
 end
+if not first_call(KEYS[9]) then  -- this very call, re-sent: it started the job already
+  return {'queued', tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '1'), redis.call('HGET', KEYS[6], ARGV[2])}
+end
 local attempts = redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
 set_state(ARGV[1], old, 'running')
 return {old, attempts, redis.call('HGET', KEYS[6], ARGV[2])}
@@ -130,16 +134,16 @@ return {old, attempts, redis.call('HGET', KEYS[6], ARGV[2])}
 
 # KEYS: 1 taskstate 2 stats 3 meta 4 tasks stream. ARGV: 1 job id 2 final state 3 now 4 entry id
 # 5 consumer group, then (stat name, amount) pairs. Ends the job (terminal states never change), adds
-# the rollout's counters and acknowledges the entry, atomically. Returns the previous state ('gone' when
+# the rollout's counters (only when it ends it: a re-sent call adds nothing) and acknowledges the entry, atomically. Returns the previous state ('gone' when
 # the run was deleted meanwhile: nothing is written).
 _FINISH = """
 if redis.call('EXISTS', KEYS[3]) == 0 then return 'gone' end
 """ + _STATE_LUA + """
-if not terminal(old) then
+if not terminal(old) then  -- a job ends once, and its counters count once (also when this call is re-sent)
   set_state(ARGV[1], old, ARGV[2])
-end
-for i = 6, #ARGV, 2 do
-  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+  for i = 6, #ARGV, 2 do
+    redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
 end
 redis.call('XACK', KEYS[4], ARGV[5], ARGV[4])
 return old
@@ -349,7 +353,8 @@ class JobQueue:
         previous, attempts, line = await self._scripts.submit((
             self._start,
             [keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
-             keys.skip(run_id), keys.samples(run_id), self.stream, keys.group_started(run_id)],
+             keys.skip(run_id), keys.samples(run_id), self.stream, keys.group_started(run_id),
+             keys.once(run_id, new_token())],
             [job.job_id, job.instance_id, _now(), job.entry_id, keys.WORKER_GROUP, job.gid, job.gen],
         ))
         previous = _text(previous)

@@ -19,6 +19,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from rollout_buffer.store import keys
+from rollout_buffer.store.once import new_token
 from rollout_buffer.store.store import Store, number, text
 from rollout_buffer.wire.packed_read import StoredArrays, stored_record
 
@@ -176,7 +177,7 @@ async def extend_stream(store: Store, run_id: str, groups: int, *, filtered: int
         return 0
     added = int(await store.script("EXTEND_GROUPS", [
         keys.run_meta(run_id), keys.stats(run_id), keys.tasks(run_id), keys.lines(run_id), keys.skip(run_id),
-        keys.closed(run_id)], [groups, max(filtered, groups)]))
+        keys.closed(run_id), keys.once(run_id, new_token())], [groups, max(filtered, groups)]))
     if added:
         await store.announce_run(run_id)
     return added

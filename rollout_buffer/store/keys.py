@@ -177,6 +177,12 @@ def attempts(run_id: str) -> str:
     return f"{_tag(run_id)}:attempts"
 
 
+def once(run_id: str, token: str) -> str:
+    """The marker of one script call (its token), so the client library's re-send of it changes nothing: set
+    by the call, expiring after `ONCE_TTL_S` (`rollout_buffer.store.once`)."""
+    return f"{_tag(run_id)}:once:{token}"
+
+
 def run_keys(run_id: str) -> list[str]:
     """Every key of one run: what `DELETE /runs/{run_id}` removes."""
     return [make(run_id) for make in (

@@ -9,6 +9,8 @@ both put a finished run back to `running`, so its workers serve it again (the ca
 run-events stream).
 """
 
+from rollout_buffer.store.once import ONCE_LUA
+
 # Prepended to the scripts that append jobs. Groups are "{epoch}:{instance_id}".
 STREAM_FUNCTIONS = """
 local function last_task_seq(k_tasks)
@@ -76,8 +78,9 @@ end
 # KEYS: 1 meta 2 stats 3 tasks 4 lines 5 skip 6 closed. ARGV: 1 groups wanted 2 groups filtered in all.
 # After a read that handed groups over for good: replaces those a group filter dropped, and lets every
 # filtered group free admission at once (it is not part of the batch being trained on). Returns groups added.
-EXTEND_GROUPS = STREAM_FUNCTIONS + """
+EXTEND_GROUPS = STREAM_FUNCTIONS + ONCE_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if not first_call(KEYS[7]) then return 0 end  -- this call, re-sent by the client library: it extended already
 local filtered = tonumber(ARGV[2])
 if filtered > 0 and redis.call('HEXISTS', KEYS[1], 'consumed_before_version') == 1 then
   redis.call('HINCRBY', KEYS[1], 'consumed_before_version', filtered)

@@ -151,3 +151,51 @@ async def test_a_counter_script_is_sent_once_even_when_its_reply_is_lost(redis_c
         assert (await store.stats(RUN))["counted"] == 1
     finally:
         await store.close()
+
+
+async def test_a_job_start_or_finish_sent_twice_counts_once(redis_store: Store) -> None:
+    """A job's start (its attempt count) and finish (its rollout's counters) re-sent by the client library
+    with the same arguments change nothing the second time."""
+    from rollout_buffer.runtime.jobqueue import _FINISH, _START
+
+    run, job = "idem-jobs", "0:i0:0"
+    redis = redis_store.redis
+    await redis.hset(keys.run_meta(run), mapping={"status": "running"})
+    await redis.hset(keys.stats(run), mapping={"tasks_queued": 1})
+    await redis.hset(keys.samples(run), "i0", b'{"prompt": "p"}')
+    await redis.hset(keys.group_started(run), "0:i0", "0")
+    start = redis.register_script(_START)
+    call = ([keys.task_state(run), keys.stats(run), keys.run_meta(run), keys.attempts(run), keys.skip(run),
+             keys.samples(run), keys.tasks(run), keys.group_started(run), keys.once(run, "t-start")],
+            [job, "i0", "1", "0-1", "workers", "0:i0", "0"])
+    first = await start(keys=call[0], args=call[1])
+    again = await start(keys=call[0], args=call[1])
+    assert int(first[1]) == int(again[1]) == 1, "one attempt counted"
+    assert first[2] == again[2] == b'{"prompt": "p"}' and again[0] not in (b"done", b"gone", b"deferred")
+    finish = redis.register_script(_FINISH)
+    args = [job, "done", "2", "0-1", "workers", "epoch_done:0", 1, "rollout_errors:x", 2]
+    finish_keys = [keys.task_state(run), keys.stats(run), keys.run_meta(run), keys.tasks(run)]
+    assert await finish(keys=finish_keys, args=args) == b"running"
+    assert await finish(keys=finish_keys, args=args) == b"done"
+    stats = await redis.hgetall(keys.stats(run))
+    assert int(stats[b"epoch_done:0"]) == 1 and int(stats[b"rollout_errors:x"]) == 2 and int(stats[b"tasks_done"]) == 1
+
+
+async def test_a_read_logged_or_a_stream_extended_twice_by_the_client_library_counts_once(redis_store: Store) -> None:
+    from rollout_buffer.metrics.readlog import RECORD_READ
+    from rollout_buffer.store.stream_lua import EXTEND_GROUPS
+
+    run = "idem-reads"
+    redis = redis_store.redis
+    await redis.hset(keys.run_meta(run), mapping={"status": "running", "consumed_before_version": 0})
+    record = redis.register_script(RECORD_READ)
+    log_keys = [keys.run_meta(run), keys.stats(run), keys.read_log(run), keys.once(run, "t-read")]
+    for _ in range(2):
+        await record(keys=log_keys, args=[b"{}", 100, "reads", 1])
+    assert await redis.llen(keys.read_log(run)) == 1 and int(await redis.hget(keys.stats(run), "reads")) == 1
+    extend = redis.register_script(EXTEND_GROUPS)
+    extend_keys = [keys.run_meta(run), keys.stats(run), keys.tasks(run), keys.lines(run), keys.skip(run),
+                   keys.closed(run), keys.once(run, "t-extend")]
+    for _ in range(2):
+        await extend(keys=extend_keys, args=[0, 3])
+    assert int(await redis.hget(keys.run_meta(run), "consumed_before_version")) == 3, "freed once, not twice"
