@@ -8,8 +8,9 @@ from fastapi import APIRouter, Request
 
 from rollout_buffer.api.gateway import wire_anthropic
 from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
-from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.serving import answer_turn, count, sse
 from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
 # the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
@@ -25,6 +26,7 @@ async def messages(request: Request) -> Any:
         if body.ignored:
             await opened.gateway.store.incr_stats(opened.session.run_id,
                                                   {f"gateway_ignored_fields:{name}": 1 for name in body.ignored})
+        await count(opened, ignored_counters(body.ignored_tools))
         answer = await answer_turn(opened, body.messages, body.tools, body.params)
     except GatewayError as exc:
         return error_response("anthropic", exc)

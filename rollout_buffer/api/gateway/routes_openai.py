@@ -9,8 +9,9 @@ from fastapi import APIRouter, Request
 
 from rollout_buffer.api.gateway import wire_openai
 from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
-from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.serving import answer_turn, count, sse
 from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
 # the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
@@ -23,6 +24,7 @@ async def chat_completions(request: Request) -> Any:
     try:
         opened = await open_session(request)
         chat = wire_openai.read_request(json_object(raw))
+        await count(opened, ignored_counters(chat.ignored_tools))
         answer = await answer_turn(opened, chat.messages, chat.tools, chat.params)
     except GatewayError as exc:
         return error_response("openai", exc)

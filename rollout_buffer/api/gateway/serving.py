@@ -40,6 +40,12 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
         raise GatewayError(502, f"the engine refused the request: {exc}") from exc
 
 
+async def count(opened: Opened, counters: dict[str, int]) -> None:
+    """Add to the run's counters (what a request sent that the gateway left out), when there is any."""
+    if counters:
+        await opened.gateway.store.incr_stats(opened.session.run_id, counters)
+
+
 def sse(events: Iterable[tuple[str | None, Any]], request: Request) -> EventSourceResponse:
     """A finished answer framed as server-sent events: `(event name or None, data)`; data that is not a
     string is sent as JSON."""

@@ -13,6 +13,7 @@ from typing import Any
 from rollout_buffer.api.gateway.errors import GatewayError
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.wire_common import opt_bool, opt_int, opt_number, stop_list, text_of
+from rollout_buffer.api.gateway.wire_tools import anthropic_label
 
 
 @dataclass
@@ -23,6 +24,7 @@ class MessagesRequest:
     params: dict[str, Any]
     stream: bool
     ignored: list[str]
+    ignored_tools: list[str]
 
 
 # Fields the gateway reads; anything else a client sends (Claude Code's `thinking`, `context_management`,
@@ -31,17 +33,19 @@ READ_FIELDS = frozenset({"model", "messages", "system", "max_tokens", "tools", "
                          "top_k", "stop_sequences", "stream"})
 
 
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
+def _tools(raw: Any) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """Client tools as OpenAI functions; server tools (`web_search_20250305`, ...) left out, their labels."""
     if raw is None:
-        return None
+        return None, []
     if not isinstance(raw, list):
         raise GatewayError(400, "tools must be a list", "tools")
-    tools = []
+    tools, ignored = [], []
     for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"] \
-                or tool.get("type") not in (None, "custom"):
-            raise GatewayError(400, f"tools.{i}: a client tool needs a name and input_schema (server tools are not "
-                                    "supported)", f"tools.{i}")
+        if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
+            ignored.append(anthropic_label(tool.get("type")))
+            continue
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise GatewayError(400, f"tools.{i}: a client tool needs a name and input_schema", f"tools.{i}")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise GatewayError(400, f"tools.{i}.input_schema must be an object", f"tools.{i}.input_schema")
@@ -49,7 +53,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         if tool.get("description"):
             function["description"] = tool["description"]
         tools.append({"type": "function", "function": function})
-    return tools or None
+    return tools or None, ignored
 
 
 def _result_text(block: dict[str, Any], where: str) -> str:
@@ -136,7 +140,7 @@ def read_request(body: dict[str, Any]) -> MessagesRequest:
             messages.extend(_user(item.get("content"), where))
         else:
             messages.append(_assistant(item.get("content"), where))
-    tools = _tools(body.get("tools"))
+    tools, ignored_tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
@@ -148,7 +152,7 @@ def read_request(body: dict[str, Any]) -> MessagesRequest:
               "stop": stop_list(body.get("stop_sequences"), "stop_sequences")}
     return MessagesRequest(model=model, messages=messages, tools=tools,
                            params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
-                           ignored=sorted(set(body) - READ_FIELDS))
+                           ignored=sorted(set(body) - READ_FIELDS), ignored_tools=ignored_tools)
 
 
 def stop_reason(answer: TurnAnswer) -> str:

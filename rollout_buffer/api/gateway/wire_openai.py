@@ -11,6 +11,7 @@ from typing import Any
 from rollout_buffer.api.gateway.errors import GatewayError
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.wire_common import opt_bool, opt_int, opt_number, stop_list, text_of
+from rollout_buffer.api.gateway.wire_tools import openai_label
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -23,21 +24,27 @@ class ChatRequest:
     params: dict[str, Any]
     stream: bool
     include_usage: bool
+    ignored_tools: list[str]
 
 
-def check_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """OpenAI function tools, checked."""
+def check_tools(tools: Any) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """OpenAI function tools, checked; other tool types (`custom`, hosted ones) left out, their labels."""
     if tools is None:
-        return None
+        return None, []
     if not isinstance(tools, list):
         raise GatewayError(400, "tools must be a list", "tools")
+    kept, ignored = [], []
     for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") not in ("function", None):
+            ignored.append(openai_label(tool.get("type")))
+            continue
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+        if not isinstance(tool, dict) or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str) or not function["name"]:
             raise GatewayError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                                f"tools[{i}]")
-    return tools or None
+        kept.append(tool)
+    return kept or None, ignored
 
 
 def _message(i: int, raw: Any) -> dict[str, Any]:
@@ -73,7 +80,7 @@ def read_request(body: dict[str, Any]) -> ChatRequest:
     if n not in (None, 1):
         raise GatewayError(400, "n must be 1: a session is one trajectory", "n")
     tool_choice = body.get("tool_choice")
-    tools = check_tools(body.get("tools"))
+    tools, ignored_tools = check_tools(body.get("tools"))
     if tool_choice == "none":
         tools = None
     elif tool_choice not in (None, "auto", "required") and not (
@@ -91,7 +98,7 @@ def read_request(body: dict[str, Any]) -> ChatRequest:
         raise GatewayError(400, "model must be a string", "model")
     return ChatRequest(model=model or "", messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools,
                        params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
-                       include_usage=bool((options or {}).get("include_usage")))
+                       include_usage=bool((options or {}).get("include_usage")), ignored_tools=ignored_tools)
 
 
 def finish_reason(answer: TurnAnswer) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from rollout_buffer.api.gateway.errors import GatewayError
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.wire_common import opt_bool, opt_int, opt_number, text_of
+from rollout_buffer.api.gateway.wire_tools import ToolSet, flat_name, responses_tools
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
@@ -25,26 +26,9 @@ class ResponsesRequest:
     previous_response_id: str | None
     tools: list[dict[str, Any]] | None
     raw_tools: list[dict[str, Any]]
+    toolset: ToolSet
     params: dict[str, Any]
     stream: bool
-
-
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise GatewayError(400, "tools must be a list", "tools")
-    out = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise GatewayError(400, f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are "
-                                    "supported", f"tools[{i}]")
-        function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object",
-                                                                                    "properties": {}}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out or None
 
 
 def input_messages(raw: Any) -> list[dict[str, Any]]:
@@ -63,7 +47,7 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call" and isinstance(item.get("name"), str):
             call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"), "type": "function",
-                    "function": {"name": item["name"], "arguments": str(item.get("arguments") or "{}")}}
+                    "function": {"name": flat_name(item["name"], item.get("namespace")), "arguments": str(item.get("arguments") or "{}")}}
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(call)
@@ -90,13 +74,14 @@ def read_request(body: dict[str, Any]) -> ResponsesRequest:
     if previous is not None and not isinstance(previous, str):
         raise GatewayError(400, "previous_response_id must be a string", "previous_response_id")
     raw_tools = body.get("tools") or []
-    tools = _tools(body.get("tools"))
+    toolset = responses_tools(body.get("tools"))
+    tools = toolset.tools or None
     if body.get("tool_choice") == "none":
         tools = None
     params = {"max_new_tokens": opt_int(body, "max_output_tokens"),
               "temperature": opt_number(body, "temperature", 0.0, 2.0), "top_p": opt_number(body, "top_p", 0.0, 1.0)}
     return ResponsesRequest(model=model or "", items=input_messages(body.get("input")), instructions=instructions,
-                            previous_response_id=previous, tools=tools, raw_tools=raw_tools,
+                            previous_response_id=previous, tools=tools, raw_tools=raw_tools, toolset=toolset,
                             params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"))
 
 
@@ -111,7 +96,7 @@ def turn_of(response: str, session_id: str) -> int | None:
     return int(tail) if tail.isdecimal() else None
 
 
-def output_items(answer: TurnAnswer) -> list[dict[str, Any]]:
+def output_items(answer: TurnAnswer, toolset: ToolSet) -> list[dict[str, Any]]:
     parsed, index = answer.parsed, answer.node.index
     items: list[dict[str, Any]] = []
     if parsed.reasoning:
@@ -121,9 +106,10 @@ def output_items(answer: TurnAnswer) -> list[dict[str, Any]]:
         items.append({"type": "message", "id": f"msg_{index}", "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": parsed.content, "annotations": []}]})
     for k, call in enumerate(parsed.tool_calls):
-        items.append({"type": "function_call", "id": f"fc_{index}_{k}", "call_id": call["id"],
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                      "status": "completed"})
+        name, namespace = toolset.split(call["function"]["name"])
+        item = {"type": "function_call", "id": f"fc_{index}_{k}", "call_id": call["id"], "name": name,
+                "arguments": call["function"]["arguments"], "status": "completed"}
+        items.append(item if namespace is None else {**item, "namespace": namespace})
     return items
 
 
@@ -134,7 +120,7 @@ def response(answer: TurnAnswer, session_id: str, request: ResponsesRequest, mod
     return {
         "id": response_id(session_id, answer.node.index), "object": "response",
         "created_at": int(answer.node.created_at or time.time()), "status": status or final, "model": model,
-        "output": output_items(answer) if output is None else output, "error": None,
+        "output": output_items(answer, request.toolset) if output is None else output, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut and (status or final) == "incomplete" else None,
         "instructions": request.instructions, "metadata": {}, "parallel_tool_calls": True,
         "previous_response_id": request.previous_response_id, "temperature": request.params.get("temperature"),
@@ -160,7 +146,7 @@ def events(answer: TurnAnswer, session_id: str, request: ResponsesRequest, model
     started = response(answer, session_id, request, model, status="in_progress", output=[])
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    for position, item in enumerate(output_items(answer)):
+    for position, item in enumerate(output_items(answer, request.toolset)):
         if item["type"] == "message":
             text = item["content"][0]["text"]
             yield event("response.output_item.added", output_index=position,
