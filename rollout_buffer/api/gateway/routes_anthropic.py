@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from rollout_buffer.api.gateway import wire_anthropic
 from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
 from rollout_buffer.api.gateway.serving import answer_turn, count, sse
+from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
@@ -22,7 +23,8 @@ async def messages(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        body = wire_anthropic.read_request(json_object(raw))
+        signs = await signer(opened.gateway.store)
+        body = wire_anthropic.read_request(json_object(raw), signs)
         if body.ignored:
             await opened.gateway.store.incr_stats(opened.session.run_id,
                                                   {f"gateway_ignored_fields:{name}": 1 for name in body.ignored})
@@ -32,5 +34,5 @@ async def messages(request: Request) -> Any:
         return error_response("anthropic", exc)
     sid = opened.session.session_id
     if not body.stream:
-        return OrjsonResponse(wire_anthropic.message(answer, sid, body.model))
-    return sse(wire_anthropic.events(answer, sid, body.model), request)
+        return OrjsonResponse(wire_anthropic.message(answer, sid, body.model, signs))
+    return sse(wire_anthropic.events(answer, sid, body.model, signs), request)

@@ -11,6 +11,7 @@ from rollout_buffer.api.gateway import wire_responses
 from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_response, open_session
 from rollout_buffer.api.gateway.records import conversation
 from rollout_buffer.api.gateway.serving import answer_turn, count, sse
+from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
@@ -38,7 +39,7 @@ async def responses(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        body = wire_responses.read_request(json_object(raw))
+        body = wire_responses.read_request(json_object(raw), await signer(opened.gateway.store))
         await count(opened, ignored_counters(body.toolset.ignored))
         messages = [*await _history(opened, body), *body.items]
         answer = await answer_turn(opened, messages, body.tools, body.params)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_buffer.api.gateway.errors import GatewayError
+from rollout_buffer.api.gateway.history import UNVERIFIED
+from rollout_buffer.api.gateway.signing import Signer
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.wire_common import opt_bool, opt_int, opt_number, stop_list, text_of
 from rollout_buffer.api.gateway.wire_tools import anthropic_label
@@ -83,7 +85,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(content: Any, where: str) -> dict[str, Any]:
+def _assistant(content: Any, where: str, signer: Signer) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
@@ -96,6 +98,8 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
             texts.append(str(block.get("text", "")))
         elif kind == "thinking":
             thoughts.append(str(block.get("thinking", "")))
+            if not signer.verify(thoughts[-1], block.get("signature")):
+                message[UNVERIFIED] = True  # not the thinking the gateway signed: the history was edited
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use" and isinstance(block.get("name"), str):
@@ -119,7 +123,7 @@ def _system(raw: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text_of(raw, "system")}]
 
 
-def read_request(body: dict[str, Any]) -> MessagesRequest:
+def read_request(body: dict[str, Any], signer: Signer) -> MessagesRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "model: field required (a string)", "model")
@@ -139,7 +143,7 @@ def read_request(body: dict[str, Any]) -> MessagesRequest:
         elif item["role"] == "user":
             messages.extend(_user(item.get("content"), where))
         else:
-            messages.append(_assistant(item.get("content"), where))
+            messages.append(_assistant(item.get("content"), where, signer))
     tools, ignored_tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is not None:
@@ -161,11 +165,11 @@ def stop_reason(answer: TurnAnswer) -> str:
     return "max_tokens" if answer.engine_finish == "length" else "end_turn"
 
 
-def blocks(answer: TurnAnswer) -> list[dict[str, Any]]:
+def blocks(answer: TurnAnswer, signer: Signer) -> list[dict[str, Any]]:
     parsed = answer.parsed
     out: list[dict[str, Any]] = []
     if parsed.reasoning:
-        out.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        out.append({"type": "thinking", "thinking": parsed.reasoning, "signature": signer.sign(parsed.reasoning)})
     if parsed.content:
         out.append({"type": "text", "text": parsed.content})
     for call in parsed.tool_calls:
@@ -178,18 +182,19 @@ def message_id(answer: TurnAnswer, session_id: str) -> str:
     return f"msg_{session_id.rpartition('~')[2]}_{answer.node.index}"
 
 
-def message(answer: TurnAnswer, session_id: str, model: str) -> dict[str, Any]:
+def message(answer: TurnAnswer, session_id: str, model: str, signer: Signer) -> dict[str, Any]:
     return {"id": message_id(answer, session_id), "type": "message", "role": "assistant", "model": model,
-            "content": blocks(answer), "stop_reason": stop_reason(answer), "stop_sequence": None,
+            "content": blocks(answer, signer), "stop_reason": stop_reason(answer), "stop_sequence": None,
             "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens}}
 
 
-def events(answer: TurnAnswer, session_id: str, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def events(answer: TurnAnswer, session_id: str, model: str, signer: Signer) -> Iterator[
+        tuple[str, dict[str, Any]]]:
     """The answer as Anthropic's stream: (event name, data)."""
-    start = {**message(answer, session_id, model), "content": [], "stop_reason": None,
+    start = {**message(answer, session_id, model, signer), "content": [], "stop_reason": None,
              "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": 1}}
     yield "message_start", {"type": "message_start", "message": start}
-    for index, block in enumerate(blocks(answer)):
+    for index, block in enumerate(blocks(answer, signer)):
         kind = block["type"]
         if kind == "text":
             empty: dict[str, Any] = {"type": "text", "text": ""}
@@ -197,7 +202,7 @@ def events(answer: TurnAnswer, session_id: str, model: str) -> Iterator[tuple[st
         elif kind == "thinking":
             empty = {"type": "thinking", "thinking": "", "signature": ""}
             deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                      {"type": "signature_delta", "signature": ""}]
+                      {"type": "signature_delta", "signature": block["signature"]}]
         else:
             empty = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_buffer.api.gateway.errors import GatewayError
+from rollout_buffer.api.gateway.history import UNVERIFIED
+from rollout_buffer.api.gateway.signing import Signer
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.wire_common import opt_bool, opt_int, opt_number, text_of
 from rollout_buffer.api.gateway.wire_tools import ToolSet, flat_name, responses_tools
@@ -29,16 +31,34 @@ class ResponsesRequest:
     toolset: ToolSet
     params: dict[str, Any]
     stream: bool
+    signer: Signer
+    include: list[str]
 
 
-def input_messages(raw: Any) -> list[dict[str, Any]]:
+def _unverified_reasoning(item: dict[str, Any], signer: Signer) -> str | None:
+    """None when a reasoning item's `encrypted_content` (if any) is this server's and matches its summary;
+    else the reasoning as the client sent it."""
+    sealed = item.get("encrypted_content")
+    if sealed is None:
+        return None  # nothing to check: a client that did not ask for it echoes the summary only
+    text = signer.unseal(sealed)
+    summary = item.get("summary")
+    shown = "".join(str(p.get("text", "")) for p in summary if isinstance(p, dict)) \
+        if isinstance(summary, list) and summary else None
+    if text is not None and shown in (None, text):
+        return None
+    return shown if shown is not None else str(sealed)
+
+
+def input_messages(raw: Any, signer: Signer) -> list[dict[str, Any]]:
     """`input` (a string or a list of items) as chat messages; function calls join the assistant message
-    they follow."""
+    they follow; a reasoning item that fails its signature marks the assistant message after it."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise GatewayError(400, "input must be a string or a non-empty list of items", "input")
     messages: list[dict[str, Any]] = []
+    edited: str | None = None  # the reasoning of an item that failed its check, until its assistant message
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -47,7 +67,8 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call" and isinstance(item.get("name"), str):
             call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"), "type": "function",
-                    "function": {"name": flat_name(item["name"], item.get("namespace")), "arguments": str(item.get("arguments") or "{}")}}
+                    "function": {"name": flat_name(item["name"], item.get("namespace")),
+                                 "arguments": str(item.get("arguments") or "{}")}}
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(call)
@@ -56,14 +77,19 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
                              "content": output if isinstance(output, str) else text_of(output, f"{where}.output")})
         elif kind == "reasoning":
-            continue  # the session keeps the reasoning it generated; an echo of it renders nothing new
+            # the session keeps the reasoning it generated; an echo of it renders nothing new
+            edited = _unverified_reasoning(item, signer) or edited
+            continue
         else:
             raise GatewayError(400, f"{where}: item type {kind!r} is not supported (message, function_call, "
                                     "function_call_output, reasoning)", where)
+        if edited is not None and messages[-1]["role"] == "assistant":
+            messages[-1].update({UNVERIFIED: True, "reasoning_content": edited})
+            edited = None
     return messages
 
 
-def read_request(body: dict[str, Any]) -> ResponsesRequest:
+def read_request(body: dict[str, Any], signer: Signer) -> ResponsesRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise GatewayError(400, "model must be a string", "model")
@@ -78,11 +104,15 @@ def read_request(body: dict[str, Any]) -> ResponsesRequest:
     tools = toolset.tools or None
     if body.get("tool_choice") == "none":
         tools = None
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise GatewayError(400, "include must be a list of strings", "include")
     params = {"max_new_tokens": opt_int(body, "max_output_tokens"),
               "temperature": opt_number(body, "temperature", 0.0, 2.0), "top_p": opt_number(body, "top_p", 0.0, 1.0)}
-    return ResponsesRequest(model=model or "", items=input_messages(body.get("input")), instructions=instructions,
-                            previous_response_id=previous, tools=tools, raw_tools=raw_tools, toolset=toolset,
-                            params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"))
+    return ResponsesRequest(model=model or "", items=input_messages(body.get("input"), signer),
+                            instructions=instructions, previous_response_id=previous, tools=tools, raw_tools=raw_tools, toolset=toolset,
+                            params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
+                            signer=signer, include=include)
 
 
 def response_id(session_id: str, index: int) -> str:
@@ -96,17 +126,20 @@ def turn_of(response: str, session_id: str) -> int | None:
     return int(tail) if tail.isdecimal() else None
 
 
-def output_items(answer: TurnAnswer, toolset: ToolSet) -> list[dict[str, Any]]:
+def output_items(answer: TurnAnswer, request: ResponsesRequest) -> list[dict[str, Any]]:
     parsed, index = answer.parsed, answer.node.index
     items: list[dict[str, Any]] = []
     if parsed.reasoning:
-        items.append({"type": "reasoning", "id": f"rs_{index}", "status": "completed",
-                      "summary": [{"type": "summary_text", "text": parsed.reasoning}]})
+        reasoning = {"type": "reasoning", "id": f"rs_{index}", "status": "completed",
+                     "summary": [{"type": "summary_text", "text": parsed.reasoning}]}
+        if "reasoning.encrypted_content" in request.include:
+            reasoning["encrypted_content"] = request.signer.seal(parsed.reasoning)
+        items.append(reasoning)
     if parsed.content or not parsed.tool_calls:
         items.append({"type": "message", "id": f"msg_{index}", "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": parsed.content, "annotations": []}]})
     for k, call in enumerate(parsed.tool_calls):
-        name, namespace = toolset.split(call["function"]["name"])
+        name, namespace = request.toolset.split(call["function"]["name"])
         item = {"type": "function_call", "id": f"fc_{index}_{k}", "call_id": call["id"], "name": name,
                 "arguments": call["function"]["arguments"], "status": "completed"}
         items.append(item if namespace is None else {**item, "namespace": namespace})
@@ -120,7 +153,7 @@ def response(answer: TurnAnswer, session_id: str, request: ResponsesRequest, mod
     return {
         "id": response_id(session_id, answer.node.index), "object": "response",
         "created_at": int(answer.node.created_at or time.time()), "status": status or final, "model": model,
-        "output": output_items(answer, request.toolset) if output is None else output, "error": None,
+        "output": output_items(answer, request) if output is None else output, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut and (status or final) == "incomplete" else None,
         "instructions": request.instructions, "metadata": {}, "parallel_tool_calls": True,
         "previous_response_id": request.previous_response_id, "temperature": request.params.get("temperature"),
@@ -146,7 +179,7 @@ def events(answer: TurnAnswer, session_id: str, request: ResponsesRequest, model
     started = response(answer, session_id, request, model, status="in_progress", output=[])
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    for position, item in enumerate(output_items(answer, request.toolset)):
+    for position, item in enumerate(output_items(answer, request)):
         if item["type"] == "message":
             text = item["content"][0]["text"]
             yield event("response.output_item.added", output_index=position,
