@@ -29,7 +29,7 @@ async def messages(request: Request) -> Any:
             await opened.gateway.store.incr_stats(opened.session.run_id,
                                                   {f"gateway_ignored_fields:{name}": 1 for name in body.ignored})
         await count(opened, ignored_counters(body.ignored_tools))
-        answer = await answer_turn(opened, body.messages, body.tools, body.params)
+        answer = await answer_turn(opened, body.messages, body.tools, body.params, body.constraint)
     except GatewayError as exc:
         return error_response("anthropic", exc)
     sid = opened.session.session_id

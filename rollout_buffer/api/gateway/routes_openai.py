@@ -25,7 +25,7 @@ async def chat_completions(request: Request) -> Any:
         opened = await open_session(request)
         chat = wire_openai.read_request(json_object(raw))
         await count(opened, ignored_counters(chat.ignored_tools))
-        answer = await answer_turn(opened, chat.messages, chat.tools, chat.params)
+        answer = await answer_turn(opened, chat.messages, chat.tools, chat.params, chat.constraint)
     except GatewayError as exc:
         return error_response("openai", exc)
     model = chat.model or opened.ctx.model

@@ -21,7 +21,8 @@ router = APIRouter(tags=["gateway"], include_in_schema=False)
 
 
 async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation the request continues: the named previous response's, or the instructions."""
+    """The conversation the request continues: the named previous response's (its instructions replaced
+    by the request's), or the instructions."""
     if body.previous_response_id is None:
         return [{"role": "system", "content": body.instructions}] if body.instructions else []
     sid = opened.session.session_id
@@ -31,7 +32,12 @@ async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> lis
     if index is None or index not in by_index:
         raise GatewayError(400, f"previous_response_id {body.previous_response_id!r} is not a response of this "
                                 "session", "previous_response_id")
-    return conversation(by_index, by_index[index])
+    history = conversation(by_index, by_index[index])
+    if body.instructions is None:
+        return history  # kept from the chain (OpenAI would drop them: a client that sends none changes nothing)
+    # a request's instructions replace the chain's (as OpenAI applies them): new ones change the prefix, a fork
+    head = {"role": "system", "content": body.instructions}
+    return [head, *history[1:]] if history and history[0].get("role") == "system" else [head, *history]
 
 
 @router.post("/v1/responses")
@@ -42,7 +48,7 @@ async def responses(request: Request) -> Any:
         body = wire_responses.read_request(json_object(raw), await signer(opened.gateway.store))
         await count(opened, ignored_counters(body.toolset.ignored))
         messages = [*await _history(opened, body), *body.items]
-        answer = await answer_turn(opened, messages, body.tools, body.params)
+        answer = await answer_turn(opened, messages, body.tools, body.params, body.constraint)
     except GatewayError as exc:
         return error_response("openai", exc)
     sid = opened.session.session_id

@@ -11,6 +11,7 @@ import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from rollout_buffer.api.gateway.constraints import NONE, Constraint
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
@@ -20,11 +21,12 @@ log = logging.getLogger(__name__)
 
 
 async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      params: dict[str, Any]) -> TurnAnswer:
+                      params: dict[str, Any], constraint: Constraint = NONE) -> TurnAnswer:
     """One turn, its failures as GatewayError: 400 a request it cannot render, 429 (Retry-After) the engine
     full or unreachable after retries, 502 the engine refusing."""
     try:
-        return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools, params)
+        return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools,
+                              {**params, **constraint.params()}, call_array=constraint.calls)
     except SessionClosed as exc:
         raise GatewayError(404, str(exc)) from exc
     except TurnRequestError as exc:

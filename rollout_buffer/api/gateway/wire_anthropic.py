@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.api.gateway.constraints import NONE, Constraint, forced_calls
 from rollout_buffer.api.gateway.errors import GatewayError
 from rollout_buffer.api.gateway.history import UNVERIFIED
 from rollout_buffer.api.gateway.signing import Signer
@@ -27,6 +28,7 @@ class MessagesRequest:
     stream: bool
     ignored: list[str]
     ignored_tools: list[str]
+    constraint: Constraint = NONE
 
 
 # Fields the gateway reads; anything else a client sends (Claude Code's `thinking`, `context_management`,
@@ -146,17 +148,24 @@ def read_request(body: dict[str, Any], signer: Signer) -> MessagesRequest:
             messages.append(_assistant(item.get("content"), where, signer))
     tools, ignored_tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
+    constraint = NONE
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
             raise GatewayError(400, "tool_choice.type must be one of auto, any, tool, none", "tool_choice")
         if choice["type"] == "none":
             tools = None
+        elif choice["type"] != "auto":  # a forced call: constrained as SGLang constrains OpenAI's "required"
+            name = choice.get("name") if choice["type"] == "tool" else None
+            if choice["type"] == "tool" and not isinstance(name, str):
+                raise GatewayError(400, "tool_choice.name: field required for type tool", "tool_choice.name")
+            constraint = forced_calls(tools, name, parallel=not choice.get("disable_parallel_tool_use"))
     params = {"max_new_tokens": limit, "temperature": opt_number(body, "temperature", 0.0, 1.0),
               "top_p": opt_number(body, "top_p", 0.0, 1.0), "top_k": opt_int(body, "top_k"),
               "stop": stop_list(body.get("stop_sequences"), "stop_sequences")}
     return MessagesRequest(model=model, messages=messages, tools=tools,
                            params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
-                           ignored=sorted(set(body) - READ_FIELDS), ignored_tools=ignored_tools)
+                           ignored=sorted(set(body) - READ_FIELDS), ignored_tools=ignored_tools,
+                           constraint=constraint)
 
 
 def stop_reason(answer: TurnAnswer) -> str:

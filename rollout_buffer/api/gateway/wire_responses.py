@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.api.gateway.constraints import NONE, Constraint, forced_calls, json_answer
 from rollout_buffer.api.gateway.errors import GatewayError
 from rollout_buffer.api.gateway.history import UNVERIFIED
 from rollout_buffer.api.gateway.signing import Signer
@@ -33,6 +34,8 @@ class ResponsesRequest:
     stream: bool
     signer: Signer
     include: list[str]
+    echo: dict[str, Any]  # what the answer repeats as sent: tool_choice, parallel_tool_calls, store, text
+    constraint: Constraint = NONE
 
 
 def _unverified_reasoning(item: dict[str, Any], signer: Signer) -> str | None:
@@ -89,6 +92,25 @@ def input_messages(raw: Any, signer: Signer) -> list[dict[str, Any]]:
     return messages
 
 
+def _constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Constraint:
+    """`tool_choice` "required" / a function (a namespaced one by `namespace`), else `text.format`."""
+    choice = body.get("tool_choice")
+    if choice == "required":
+        return forced_calls(tools, None, parallel=body.get("parallel_tool_calls") is not False)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return forced_calls(tools, flat_name(choice["name"], choice.get("namespace")))
+    if choice not in (None, "none", "auto"):
+        raise GatewayError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': "
+                                "...} (hosted tools and allowed_tools are not supported)", "tool_choice")
+    text = body.get("text")
+    if text is None:
+        return NONE
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or not isinstance(fmt, (dict, type(None))):
+        raise GatewayError(400, "text must be an object with an object format", "text")
+    return NONE if fmt is None else json_answer(fmt.get("type"), fmt.get("schema"), "text.format")
+
+
 def read_request(body: dict[str, Any], signer: Signer) -> ResponsesRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -102,17 +124,22 @@ def read_request(body: dict[str, Any], signer: Signer) -> ResponsesRequest:
     raw_tools = body.get("tools") or []
     toolset = responses_tools(body.get("tools"))
     tools = toolset.tools or None
+    constraint = _constraint(body, tools)
     if body.get("tool_choice") == "none":
         tools = None
+    echo = {"tool_choice": body.get("tool_choice") or "auto", "text": body.get("text") or {"format": {"type": "text"}},
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+            "store": body.get("store") is not False, "metadata": body.get("metadata") or {}}
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise GatewayError(400, "include must be a list of strings", "include")
     params = {"max_new_tokens": opt_int(body, "max_output_tokens"),
               "temperature": opt_number(body, "temperature", 0.0, 2.0), "top_p": opt_number(body, "top_p", 0.0, 1.0)}
     return ResponsesRequest(model=model or "", items=input_messages(body.get("input"), signer),
-                            instructions=instructions, previous_response_id=previous, tools=tools, raw_tools=raw_tools, toolset=toolset,
+                            instructions=instructions, previous_response_id=previous, tools=tools,
+                            raw_tools=raw_tools, toolset=toolset,
                             params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
-                            signer=signer, include=include)
+                            signer=signer, include=include, echo=echo, constraint=constraint)
 
 
 def response_id(session_id: str, index: int) -> str:
@@ -155,11 +182,10 @@ def response(answer: TurnAnswer, session_id: str, request: ResponsesRequest, mod
         "created_at": int(answer.node.created_at or time.time()), "status": status or final, "model": model,
         "output": output_items(answer, request) if output is None else output, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut and (status or final) == "incomplete" else None,
-        "instructions": request.instructions, "metadata": {}, "parallel_tool_calls": True,
+        "instructions": request.instructions,
         "previous_response_id": request.previous_response_id, "temperature": request.params.get("temperature"),
         "top_p": request.params.get("top_p"), "max_output_tokens": request.params.get("max_new_tokens"),
-        "tool_choice": "auto", "tools": request.raw_tools, "text": {"format": {"type": "text"}},
-        "truncation": "disabled", "store": True,
+        "tools": request.raw_tools, "truncation": "disabled", **request.echo,
         "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens,
                   "total_tokens": answer.prompt_tokens + answer.completion_tokens,
                   "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},

@@ -43,6 +43,9 @@ ENGINE_ID_HEADER = "X-Test-Engine-Id"
 CALL_LOG_SIZE = 2_048  # generations kept in the call log (the oldest go first)
 
 
+CONSTRAINTS = ("json_schema", "ebnf", "regex")  # structured-output parameters, recorded in the call log
+
+
 class TestEngine:
     """SGLang-compatible HTTP server for tests (see the package docstring).
 
@@ -184,7 +187,7 @@ class TestEngine:
         rng = self.policy.request_rng(prompt_ids, rid, temperature, index)
         max_new = params.get("max_new_tokens")
         extra = int(max_new) if params.get("ignore_eos") and max_new is not None else 0
-        plan = self.policy.plan(prompt_ids, rng, extra_tokens=extra)
+        plan = self.policy.plan(prompt_ids, rng, extra_tokens=extra, json_schema=params.get("json_schema"))
         count, reason = finish(plan, params, default_max, self.stop_ids, self.codec)
         request_id = rid or uuid.uuid4().hex
         delay = self.config.latency_s + rng.uniform(0, self.config.latency_jitter_s)
@@ -205,7 +208,8 @@ class TestEngine:
             self.stats.prompt_tokens += len(prompt_ids)
             self.stats.generated_tokens += len(ids)
             self.calls.append({"rid": request_id, "prompt_ids": list(prompt_ids), "output_ids": list(ids),
-                               "output_logprobs": list(plan.logprobs[: len(ids)]), "finish_reason": reason})
+                               "output_logprobs": list(plan.logprobs[: len(ids)]), "finish_reason": reason,
+                               **{k: params[k] for k in CONSTRAINTS if params.get(k) is not None}})
         return Result(ids, plan.logprobs[: len(ids)], reason, text, list(prompt_ids), request_id)
 
     async def serve_generation(self, request: Request, build: Build) -> web.Response:
