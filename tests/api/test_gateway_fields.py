@@ -126,6 +126,11 @@ def test_unenforceable_fields_are_refused_naming_the_field(client: httpx.Client,
         with pytest.raises(openai.BadRequestError) as caught:
             call()
         assert caught.value.body["param"] == param, caught.value.body
+    claude = anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as refusal:
+        claude.messages.create(model="m", max_tokens=50, messages=[{"role": "user", "content": "x"}],
+                               tools=[ANTHROPIC_CALCULATOR], tool_choice={"type": "tool", "name": "nope"})
+    assert "tool_choice" in refusal.value.body["error"]["message"]
     assert engine_calls_of(rollout_engine, session["session_id"]) == []
 
 
@@ -143,3 +148,18 @@ def test_new_instructions_on_a_chain_apply_and_fork(client: httpx.Client, rollou
     assert "Be brief." in prompts[1] and "Answer in French." in prompts[2] and "Be brief." not in prompts[2]
     stats = _stats(client, run_id)
     assert stats["gateway_forks:edited"] == 1 and stats["gateway_turns"] == 3
+
+
+def test_fields_neither_honoured_nor_refused_are_counted_under_bounded_labels(
+        client: httpx.Client, rollout_engine: Any, qwen_tokenizer_path: str) -> None:
+    run_id, session = _session(client, rollout_engine, qwen_tokenizer_path, "ignored")
+    sdk = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+    sdk.responses.create(model="m", input="What is 2 + 2?", reasoning={"effort": "low"}, prompt_cache_key="k",
+                         extra_body={"a_field_nobody_knows": 1, "another_one": 2})
+    sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 3 + 3?"}], user="u",
+                                logprobs=True, extra_body={"a_field_nobody_knows": 1})
+    stats = _stats(client, run_id)
+    for name in ("reasoning", "prompt_cache_key", "user", "logprobs"):
+        assert stats[f"gateway_ignored_fields:{name}"] == 1, name
+    assert stats["gateway_ignored_fields:other"] == 2  # once per request, whatever the unknown names
+    assert not any("nobody" in key or "another" in key for key in stats)

@@ -11,6 +11,7 @@ from rollout_buffer.api.gateway import wire_openai
 from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
 from rollout_buffer.api.gateway.serving import answer_turn, count, sse
 from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.gateway.wire_fields import CHAT_IGNORED, CHAT_READ, ignored_fields
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
@@ -23,8 +24,9 @@ async def chat_completions(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        chat = wire_openai.read_request(json_object(raw))
-        await count(opened, ignored_counters(chat.ignored_tools))
+        fields = json_object(raw)
+        chat = wire_openai.read_request(fields)
+        await count(opened, {**ignored_fields(fields, CHAT_READ, CHAT_IGNORED), **ignored_counters(chat.ignored_tools)})
         answer = await answer_turn(opened, chat.messages, chat.tools, chat.params, chat.constraint)
     except GatewayError as exc:
         return error_response("openai", exc)

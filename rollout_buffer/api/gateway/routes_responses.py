@@ -13,6 +13,7 @@ from rollout_buffer.api.gateway.records import conversation
 from rollout_buffer.api.gateway.serving import answer_turn, count, sse
 from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.gateway.wire_fields import RESPONSES_IGNORED, RESPONSES_READ, ignored_fields
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
@@ -45,8 +46,10 @@ async def responses(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        body = wire_responses.read_request(json_object(raw), await signer(opened.gateway.store))
-        await count(opened, ignored_counters(body.toolset.ignored))
+        fields = json_object(raw)
+        body = wire_responses.read_request(fields, await signer(opened.gateway.store))
+        await count(opened, {**ignored_fields(fields, RESPONSES_READ, RESPONSES_IGNORED),
+                             **ignored_counters(body.toolset.ignored)})
         messages = [*await _history(opened, body), *body.items]
         answer = await answer_turn(opened, messages, body.tools, body.params, body.constraint)
     except GatewayError as exc:
