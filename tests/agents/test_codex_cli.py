@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rollout_buffer.testing.engine import run_engine_in_thread
+from rollout_buffer.testing.tokenizer import load_qwen_tokenizer, qwen_tokenizer_dir
 from tests.support.claude_code import cache_root
 from tests.support.codex_cli import install_codex, provider_config
 from tests.support.gateway import (
@@ -48,12 +50,21 @@ def codex_home() -> Iterator[Path]:
     shutil.rmtree(home, ignore_errors=True)
 
 
+@pytest.fixture(params=["qwen2.5", "qwen3"], ids=["plain", "thinking"])
+def codex_engine(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str]]:
+    """The engine, its tokenizer path and tokenizer: Qwen2.5, and Qwen3 whose reasoning Codex replays
+    (signed, with `include: ["reasoning.encrypted_content"]`, as Codex asks by default)."""
+    with run_engine_in_thread(template=request.param, seed=13) as engine:
+        yield engine, request.param
+
+
 @pytest.mark.timeout(600)
 def test_codex_exec_with_its_default_config_trains_token_exact(codex_binary: Path, client: httpx.Client,
-                                                               rollout_engine: Any, qwen_tokenizer: Any,
-                                                               qwen_tokenizer_path: str, codex_home: Path,
-                                                               tmp_path: Path) -> None:
-    run_id = start_external(client, rollout_engine.url, qwen_tokenizer_path, repeats=1,
+                                                               codex_engine: tuple[Any, str],
+                                                               codex_home: Path, tmp_path: Path) -> None:
+    rollout_engine, template = codex_engine
+    qwen_tokenizer = load_qwen_tokenizer(template)
+    run_id = start_external(client, rollout_engine.url, str(qwen_tokenizer_dir(template)), repeats=1, reasoning_parser="qwen3",
                             sampling_params={"max_tokens": 512, "temperature": 1.0})
     session = new_session(client, run_id, "codex-1")
     home, work = codex_home, tmp_path / "work"
@@ -75,6 +86,8 @@ def test_codex_exec_with_its_default_config_trains_token_exact(codex_binary: Pat
     assert '"name": "exec_command"' in qwen_tokenizer.decode(first["output_ids"]), "a shell call first"
     tool_result = qwen_tokenizer.decode(last["prompt_ids"][len(first["prompt_ids"]) + len(first["output_ids"]):])
     assert "137" in tool_result, "Codex ran the command and sent its output back"
+    thoughts = [m.get("reasoning_content") for m in record["messages"] if m["role"] == "assistant"]
+    assert all(thoughts) == (template == "qwen3"), thoughts  # Codex replayed signed reasoning: still one branch
     names = {t["function"]["name"] for t in record["tools"]}
     assert {"exec_command", "multi_agent_v1.spawn_agent"} <= names and "web_search" not in names
     stats = client.get(f"/runs/{run_id}").json()["stats"]
