@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from rollout_buffer.api.gateway import wire_responses
 from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_response, open_session
 from rollout_buffer.api.gateway.records import conversation
-from rollout_buffer.api.gateway.serving import answer_turn, count, sse
+from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
 from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.gateway.wire_fields import RESPONSES_IGNORED, RESPONSES_READ, ignored_fields
@@ -41,6 +41,12 @@ async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> lis
     return [head, *history[1:]] if history and history[0].get("role") == "system" else [head, *history]
 
 
+def _stream_error(exc: GatewayError) -> tuple[str, dict[str, Any]]:
+    """A failure after the stream started: Responses' `error` event."""
+    return "error", {"type": "error", "code": str(exc.status), "message": exc.message, "param": exc.param,
+                     "sequence_number": 0}
+
+
 @router.post("/v1/responses")
 async def responses(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
@@ -51,11 +57,13 @@ async def responses(request: Request) -> Any:
         await count(opened, {**ignored_fields(fields, RESPONSES_READ, RESPONSES_IGNORED),
                              **ignored_counters(body.toolset.ignored)})
         messages = [*await _history(opened, body), *body.items]
-        answer = await answer_turn(opened, messages, body.tools, body.params, body.constraint)
+        sid = opened.session.session_id
+        model = body.model or opened.ctx.model
+        turn = answer_turn(opened, messages, body.tools, body.params, body.constraint)
+        if body.stream:
+            return await streamed(turn, lambda answer: wire_responses.events(answer, sid, body, model),
+                                  _stream_error, request)
+        answer = await turn
     except GatewayError as exc:
         return error_response("openai", exc)
-    sid = opened.session.session_id
-    model = body.model or opened.ctx.model
-    if not body.stream:
-        return OrjsonResponse(wire_responses.response(answer, sid, body, model))
-    return sse(wire_responses.events(answer, sid, body, model), request)
+    return OrjsonResponse(wire_responses.response(answer, sid, body, model))
