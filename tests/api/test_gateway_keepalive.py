@@ -4,6 +4,7 @@ stream started arrives as an error event in the API's own stream shape."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anthropic
@@ -57,3 +58,26 @@ def test_a_failure_after_the_stream_started_is_an_error_event(server: ServerProc
                 s.get_final_message()
         assert "busy or unreachable" in str(refused.value)
         engine.configure(fail_next=0)
+
+
+def test_a_client_that_goes_away_finds_its_turn_stored_on_retry(server: ServerProcess,
+                                                                 qwen_tokenizer_path: str) -> None:
+    with run_engine_in_thread(template="qwen2.5", seed=4, latency_s=2.0) as engine, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        run_id = start_external(client, engine.url, qwen_tokenizer_path, repeats=1)
+        session = new_session(client, run_id, "gone")
+        body = {"model": "m", "messages": [{"role": "user", "content": "What is 4 + 4?"}]}
+        headers = {"Authorization": f"Bearer {session['api_key']}"}
+        with httpx.stream("POST", f"{session['openai_base_url']}/chat/completions", json={**body, "stream": True},
+                          headers=headers, timeout=30) as response:
+            assert response.status_code == 200  # the stream started before the answer: the client leaves
+        for _ in range(100):
+            if engine_calls_of(engine, session["session_id"]):
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # the turn is stored right after its generation
+        retried = httpx.post(f"{session['openai_base_url']}/chat/completions", json=body, headers=headers, timeout=30)
+        assert retried.status_code == 200 and "\\boxed{" in retried.json()["choices"][0]["message"]["content"]
+        stats = client.get(f"/runs/{run_id}").json()["stats"]
+        assert stats["gateway_replays"] == 1 and stats["gateway_turns"] == 1
+        assert len(engine_calls_of(engine, session["session_id"])) == 1
