@@ -1,7 +1,8 @@
 """Codex CLI, unmodified and with its default config (only a custom Responses provider added), headless
 (`codex exec`) against the gateway backed by the test engine, which answers Codex's `exec_command` tool with
 a shell call, then the final answer. Codex's default request carries a hosted `web_search` tool and the
-`multi_agent_v1` namespace: both must pass. Every request Codex makes is a token-exact turn of one branch."""
+`multi_agent_v1` namespace: both must pass. Every request Codex makes is a token-exact turn of one branch,
+against a plain model and a thinking one (Qwen3), whose signed reasoning Codex replays."""
 
 from __future__ import annotations
 
