@@ -56,6 +56,7 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
                                        that answered that exact request (retries replay it)
     rb:remote:{rollout_id}      hash   state of a remote rollout started by POST /init
     rb:remote:index             zset   remote rollout ids by start time
+    rb:gateway_signing_key      string the gateway's secret for reasoning signatures (SET NX once)
     rb:tokenizers_checked       hash   "{folder version}|{path}" -> 1: tokenizers an API proved loadable (in a child)
     rb:remote_open              zset   remote rollout ids not yet settled (unfinished or callback undelivered)
     rb:remote_owner:{owner_id}  string liveness lease (with TTL) of the API process running remote rollouts
@@ -69,6 +70,7 @@ ACTIVE_RUN = f"{PREFIX}:active_run"
 REMOTE_INDEX = f"{PREFIX}:remote:index"
 RUN_EVENTS = f"{PREFIX}:run_events"
 TOKENIZERS_CHECKED = f"{PREFIX}:tokenizers_checked"
+GATEWAY_SIGNING_KEY = f"{PREFIX}:gateway_signing_key"
 WORKER_GROUP = "workers"
 
 

@@ -77,7 +77,7 @@ def test_responses_errors_are_openai_shaped(client: httpx.Client, rollout_engine
     sdk = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
     for kwargs, param in (({"input": []}, "input"), ({"input": [{"type": "web_search_call"}]}, "input[0]"),
                           ({"input": "hi", "previous_response_id": "resp_nope_1"}, "previous_response_id"),
-                          ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]")):
+                          ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0]")):
         with pytest.raises(openai.BadRequestError) as caught:
             sdk.responses.create(model="m", **kwargs)
         assert caught.value.body["param"] == param and caught.value.body["type"] == "invalid_request_error"

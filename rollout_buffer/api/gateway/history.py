@@ -3,7 +3,9 @@
 Clients send the whole conversation back with every call, in their SDK's spelling: `content` None or "",
 text as a list of parts, tool call ids of their own, reasoning dropped, `arguments` re-serialised. The
 canonical form keeps what the chat template renders (role, text, tool calls as name + parsed arguments)
-and drops the rest, so an echoed assistant message matches the one the session generated.
+and drops the rest, so an echoed assistant message matches the one the session generated. Reasoning is
+dropped too, unless it came back with a signature that does not match it (`UNVERIFIED`, see `signing`):
+then the message is not the one generated, and the request forks.
 
 `prefix_digests` chains a digest over the canonical messages: `digests[i]` names the history
 `messages[:i]` (and the tools), so looking a prefix up is one dictionary (Redis hash) lookup.
@@ -18,6 +20,7 @@ from typing import Any
 import orjson
 
 DIGEST_BYTES = 16
+UNVERIFIED = "reasoning_unverified"  # set on an assistant message whose echoed reasoning failed its signature
 
 
 def _text(content: Any) -> Any:
@@ -44,13 +47,16 @@ def canonical(message: dict[str, Any]) -> bytes:
     """The bytes two spellings of one message share (see the module docstring)."""
     role = message.get("role")
     content = _text(message.get("content"))
-    if isinstance(content, str) and isinstance(role, str) and not message.get("tool_calls"):
+    if isinstance(content, str) and isinstance(role, str) and not message.get("tool_calls") \
+            and not message.get(UNVERIFIED):
         return b"\x01" + role.encode() + b"\x00" + content.encode()  # the common case, without a JSON dump
     form: list[Any] = [role, content]
     calls = message.get("tool_calls") or []
     if calls:
         form.append([[(c.get("function") or {}).get("name"), _arguments((c.get("function") or {}).get("arguments"))]
                      for c in calls if isinstance(c, dict)])
+    if message.get(UNVERIFIED):  # the client's reasoning, as it sent it: two different edits differ
+        form.append([UNVERIFIED, message.get("reasoning_content")])
     return b"\x02" + orjson.dumps(form, option=orjson.OPT_SORT_KEYS)
 
 

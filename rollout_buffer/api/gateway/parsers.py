@@ -136,6 +136,20 @@ def glm45(text: str) -> tuple[str, list[Call], int]:
     return _blocks(text, _GLM, parse, "<tool_call>")
 
 
+def parse_call_array(text: str) -> list[Call] | None:
+    """`[{"name": ..., "parameters": {...}}, ...]` (what SGLang's forced-call constraint makes the model
+    write) as calls; None when the text is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, list) or not value or not all(
+            isinstance(v, dict) and isinstance(v.get("name"), str) and isinstance(v.get("parameters"), dict)
+            for v in value):
+        return None
+    return [(v["name"], v["parameters"]) for v in value]
+
+
 TOOL_CALL_PARSERS: dict[str, ToolParser] = {"qwen25": qwen25, "qwen": qwen25, "hermes": qwen25,
                                             "qwen3_coder": qwen3_coder, "deepseekv3": deepseekv3, "glm45": glm45}
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "think", "none")
@@ -156,12 +170,18 @@ class OutputParser:
             raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
 
-    def parse(self, text: str, *, id_prefix: str) -> ParsedOutput:
+    def parse(self, text: str, *, id_prefix: str, call_array: bool = False) -> ParsedOutput:
+        """`call_array`: the generation was constrained to a JSON array of calls (a forced tool call,
+        `constraints.forced_calls`), read as such when it is one."""
         text = strip_end_markers(text)
         reasoning = None
         if self.reasoning_parser != "none":
             reasoning, text = split_reasoning(text)
-        rest, calls, malformed = TOOL_CALL_PARSERS[self.tool_call_parser](text)
+        array = parse_call_array(text) if call_array else None
+        if array is not None:
+            rest, calls, malformed = "", array, 0
+        else:
+            rest, calls, malformed = TOOL_CALL_PARSERS[self.tool_call_parser](text)
         tool_calls = [{"id": f"{id_prefix}_{i}", "type": "function",
                        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
                       for i, (name, args) in enumerate(calls)]

@@ -7,9 +7,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rollout_buffer.api.gateway import wire_anthropic
-from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
-from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.errors import GatewayError, error_body, error_response, open_session
+from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
+from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
 # the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
@@ -21,14 +23,18 @@ async def messages(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        body = wire_anthropic.read_request(json_object(raw))
+        signs = await signer(opened.gateway.store)
+        body = wire_anthropic.read_request(json_object(raw), signs)
         if body.ignored:
             await opened.gateway.store.incr_stats(opened.session.run_id,
                                                   {f"gateway_ignored_fields:{name}": 1 for name in body.ignored})
-        answer = await answer_turn(opened, body.messages, body.tools, body.params)
+        await count(opened, ignored_counters(body.ignored_tools))
+        sid = opened.session.session_id
+        turn = answer_turn(opened, body.messages, body.tools, body.params, body.constraint)
+        if body.stream:
+            return await streamed(turn, lambda answer: wire_anthropic.events(answer, sid, body.model, signs),
+                                  lambda exc: ("error", error_body("anthropic", exc.status, exc.message)), request)
+        answer = await turn
     except GatewayError as exc:
         return error_response("anthropic", exc)
-    sid = opened.session.session_id
-    if not body.stream:
-        return OrjsonResponse(wire_anthropic.message(answer, sid, body.model))
-    return sse(wire_anthropic.events(answer, sid, body.model), request)
+    return OrjsonResponse(wire_anthropic.message(answer, sid, body.model, signs))

@@ -8,9 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rollout_buffer.api.gateway import wire_openai
-from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
-from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.errors import GatewayError, error_body, error_response, open_session
+from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
 from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.gateway.wire_fields import CHAT_IGNORED, CHAT_READ, ignored_fields
+from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
 # the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
@@ -22,16 +24,20 @@ async def chat_completions(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        chat = wire_openai.read_request(json_object(raw))
-        answer = await answer_turn(opened, chat.messages, chat.tools, chat.params)
+        fields = json_object(raw)
+        chat = wire_openai.read_request(fields)
+        await count(opened, {**ignored_fields(fields, CHAT_READ, CHAT_IGNORED), **ignored_counters(chat.ignored_tools)})
+        model = chat.model or opened.ctx.model
+        sid = opened.session.session_id
+        turn = answer_turn(opened, chat.messages, chat.tools, chat.params, chat.constraint)
+        if chat.stream:
+            return await streamed(turn, lambda answer: [
+                *((None, c) for c in wire_openai.chunks(answer, sid, model, chat.include_usage)), (None, "[DONE]")],
+                lambda exc: (None, error_body("openai", exc.status, exc.message, exc.param)), request)
+        answer = await turn
     except GatewayError as exc:
         return error_response("openai", exc)
-    model = chat.model or opened.ctx.model
-    sid = opened.session.session_id
-    if not chat.stream:
-        return OrjsonResponse(wire_openai.completion(answer, sid, model))
-    events = [(None, c) for c in wire_openai.chunks(answer, sid, model, chat.include_usage)]
-    return sse([*events, (None, "[DONE]")], request)
+    return OrjsonResponse(wire_openai.completion(answer, sid, model))
 
 
 @router.get("/v1/models")

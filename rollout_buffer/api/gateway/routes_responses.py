@@ -10,8 +10,11 @@ from fastapi import APIRouter, Request
 from rollout_buffer.api.gateway import wire_responses
 from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_response, open_session
 from rollout_buffer.api.gateway.records import conversation
-from rollout_buffer.api.gateway.serving import answer_turn, sse
+from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
+from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
+from rollout_buffer.api.gateway.wire_fields import RESPONSES_IGNORED, RESPONSES_READ, ignored_fields
+from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
 # the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
@@ -19,7 +22,8 @@ router = APIRouter(tags=["gateway"], include_in_schema=False)
 
 
 async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation the request continues: the named previous response's, or the instructions."""
+    """The conversation the request continues: the named previous response's (its instructions replaced
+    by the request's), or the instructions."""
     if body.previous_response_id is None:
         return [{"role": "system", "content": body.instructions}] if body.instructions else []
     sid = opened.session.session_id
@@ -29,7 +33,18 @@ async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> lis
     if index is None or index not in by_index:
         raise GatewayError(400, f"previous_response_id {body.previous_response_id!r} is not a response of this "
                                 "session", "previous_response_id")
-    return conversation(by_index, by_index[index])
+    history = conversation(by_index, by_index[index])
+    if body.instructions is None:
+        return history  # kept from the chain (OpenAI would drop them: a client that sends none changes nothing)
+    # a request's instructions replace the chain's (as OpenAI applies them): new ones change the prefix, a fork
+    head = {"role": "system", "content": body.instructions}
+    return [head, *history[1:]] if history and history[0].get("role") == "system" else [head, *history]
+
+
+def _stream_error(exc: GatewayError) -> tuple[str, dict[str, Any]]:
+    """A failure after the stream started: Responses' `error` event."""
+    return "error", {"type": "error", "code": str(exc.status), "message": exc.message, "param": exc.param,
+                     "sequence_number": 0}
 
 
 @router.post("/v1/responses")
@@ -37,13 +52,18 @@ async def responses(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
         opened = await open_session(request)
-        body = wire_responses.read_request(json_object(raw))
+        fields = json_object(raw)
+        body = wire_responses.read_request(fields, await signer(opened.gateway.store))
+        await count(opened, {**ignored_fields(fields, RESPONSES_READ, RESPONSES_IGNORED),
+                             **ignored_counters(body.toolset.ignored)})
         messages = [*await _history(opened, body), *body.items]
-        answer = await answer_turn(opened, messages, body.tools, body.params)
+        sid = opened.session.session_id
+        model = body.model or opened.ctx.model
+        turn = answer_turn(opened, messages, body.tools, body.params, body.constraint)
+        if body.stream:
+            return await streamed(turn, lambda answer: wire_responses.events(answer, sid, body, model),
+                                  _stream_error, request)
+        answer = await turn
     except GatewayError as exc:
         return error_response("openai", exc)
-    sid = opened.session.session_id
-    model = body.model or opened.ctx.model
-    if not body.stream:
-        return OrjsonResponse(wire_responses.response(answer, sid, body, model))
-    return sse(wire_responses.events(answer, sid, body, model), request)
+    return OrjsonResponse(wire_responses.response(answer, sid, body, model))

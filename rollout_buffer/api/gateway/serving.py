@@ -1,30 +1,45 @@
 """What the three API routes share: open the session, run the turn, map failures to the API's errors,
-and frame a stream as server-sent events (sse-starlette)."""
+and frame a stream as server-sent events (sse-starlette).
+
+A streamed request whose turn is not answered within `GRACE_S` gets its stream at once, with keep-alive
+comments every `KEEPALIVE_S` until the answer's events (an agent CLI waits on its stream with an idle
+timeout; a long prefill, a queue or a long generation must not look like a dead server); a failure after
+that is an error event in the API's own stream shape. Sooner answers and failures are sent as before (an
+error keeps its HTTP status: a 429's `Retry-After` is what clients retry on). A client that goes away
+leaves its turn running to the end and stored, so its retry is answered from the stored turn.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from rollout_buffer.api.gateway.constraints import NONE, Constraint
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
 from rollout_buffer.tasks.contract import HistoryRewriteError
 
 log = logging.getLogger(__name__)
+GRACE_S = 0.5
+KEEPALIVE_S = 5.0
+Event = tuple[str | None, Any]
+_running: set[asyncio.Task[TurnAnswer]] = set()  # turns whose client went away, finishing to be stored
 
 
 async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      params: dict[str, Any]) -> TurnAnswer:
+                      params: dict[str, Any], constraint: Constraint = NONE) -> TurnAnswer:
     """One turn, its failures as GatewayError: 400 a request it cannot render, 429 (Retry-After) the engine
     full or unreachable after retries, 502 the engine refusing."""
     try:
-        return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools, params)
+        return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools,
+                              {**params, **constraint.params()}, call_array=constraint.calls)
     except SessionClosed as exc:
         raise GatewayError(404, str(exc)) from exc
     except TurnRequestError as exc:
@@ -38,6 +53,44 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
             raise GatewayError(429, f"the engine is busy or unreachable; retry later ({exc})") from exc
         await opened.gateway.store.incr_stat(opened.session.run_id, "gateway_engine_errors")
         raise GatewayError(502, f"the engine refused the request: {exc}") from exc
+
+
+async def count(opened: Opened, counters: dict[str, int]) -> None:
+    """Add to the run's counters (what a request sent that the gateway left out), when there is any."""
+    if counters:
+        await opened.gateway.store.incr_stats(opened.session.run_id, counters)
+
+
+def _finished(task: asyncio.Task[TurnAnswer]) -> None:
+    _running.discard(task)
+    if not task.cancelled() and task.exception() is not None:  # read, so an unread failure is not logged twice
+        log.debug("a streamed turn failed: %s", task.exception())
+
+
+async def streamed(turn: Awaitable[TurnAnswer], render: Callable[[TurnAnswer], Iterable[Event]],
+                   failed: Callable[[GatewayError], Event], request: Request) -> EventSourceResponse:
+    """A streamed answer: the turn's events, after keep-alives while it runs (see the module docstring).
+    GatewayError when the turn fails within `GRACE_S`."""
+    task = asyncio.ensure_future(turn)
+    done, _ = await asyncio.wait({task}, timeout=GRACE_S)
+    if done:
+        return sse(render(task.result()), request)
+    _running.add(task)
+    task.add_done_callback(_finished)
+
+    def events() -> Iterable[Event]:
+        try:
+            answer = task.result()
+        except GatewayError as exc:
+            return [failed(exc)]
+        return render(answer)
+
+    async def stream() -> AsyncIterator[ServerSentEvent]:
+        await asyncio.wait({task})
+        for event, data in events():
+            yield ServerSentEvent(data=data if isinstance(data, str) else orjson.dumps(data).decode(), event=event)
+
+    return EventSourceResponse(stream(), sep="\n", ping=KEEPALIVE_S)
 
 
 def sse(events: Iterable[tuple[str | None, Any]], request: Request) -> EventSourceResponse:

@@ -113,8 +113,10 @@ async def _fork_reason(gw: Gateway, session: Session, count: int, messages: list
 
 
 async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None, client_params: dict[str, Any]) -> TurnAnswer:
-    """Answer one request of `session` (see the module docstring)."""
+                   tools: list[dict[str, Any]] | None, client_params: dict[str, Any], *,
+                   call_array: bool = False) -> TurnAnswer:
+    """Answer one request of `session` (see the module docstring); `call_array`: the generation is
+    constrained to a JSON array of tool calls (a forced call), read as the calls."""
     arrived = time.time()  # from here until the answer, the agent waits on the model (not tool time)
     _check(messages)
     tools = tools or None
@@ -159,7 +161,7 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     # leaves a numbered gap (which the next turn would read as a rewind the client never made)
     index = count
     for _ in range(_RENUMBER_TRIES):
-        parsed = ctx.parser.parse(text, id_prefix=f"call_{index}")
+        parsed = ctx.parser.parse(text, id_prefix=f"call_{index}", call_array=call_array)
         message = parsed.message()
         node = Node(index=index, parent=-1 if parent is None else parent.index, new_messages=new, message=message,
                     prompt_ids=prompt, output_ids=np.asarray(turn["output_ids"], dtype=np.int32),

@@ -10,9 +10,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.api.gateway.constraints import NONE, Constraint, forced_calls
 from rollout_buffer.api.gateway.errors import GatewayError
+from rollout_buffer.api.gateway.history import UNVERIFIED
+from rollout_buffer.api.gateway.signing import Signer
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.wire_common import opt_bool, opt_int, opt_number, stop_list, text_of
+from rollout_buffer.api.gateway.wire_tools import anthropic_label
 
 
 @dataclass
@@ -23,6 +27,8 @@ class MessagesRequest:
     params: dict[str, Any]
     stream: bool
     ignored: list[str]
+    ignored_tools: list[str]
+    constraint: Constraint = NONE
 
 
 # Fields the gateway reads; anything else a client sends (Claude Code's `thinking`, `context_management`,
@@ -31,17 +37,19 @@ READ_FIELDS = frozenset({"model", "messages", "system", "max_tokens", "tools", "
                          "top_k", "stop_sequences", "stream"})
 
 
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
+def _tools(raw: Any) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """Client tools as OpenAI functions; server tools (`web_search_20250305`, ...) left out, their labels."""
     if raw is None:
-        return None
+        return None, []
     if not isinstance(raw, list):
         raise GatewayError(400, "tools must be a list", "tools")
-    tools = []
+    tools, ignored = [], []
     for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"] \
-                or tool.get("type") not in (None, "custom"):
-            raise GatewayError(400, f"tools.{i}: a client tool needs a name and input_schema (server tools are not "
-                                    "supported)", f"tools.{i}")
+        if isinstance(tool, dict) and tool.get("type") not in (None, "custom"):
+            ignored.append(anthropic_label(tool.get("type")))
+            continue
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise GatewayError(400, f"tools.{i}: a client tool needs a name and input_schema", f"tools.{i}")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise GatewayError(400, f"tools.{i}.input_schema must be an object", f"tools.{i}.input_schema")
@@ -49,7 +57,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         if tool.get("description"):
             function["description"] = tool["description"]
         tools.append({"type": "function", "function": function})
-    return tools or None
+    return tools or None, ignored
 
 
 def _result_text(block: dict[str, Any], where: str) -> str:
@@ -79,7 +87,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(content: Any, where: str) -> dict[str, Any]:
+def _assistant(content: Any, where: str, signer: Signer) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
@@ -92,6 +100,8 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
             texts.append(str(block.get("text", "")))
         elif kind == "thinking":
             thoughts.append(str(block.get("thinking", "")))
+            if not signer.verify(thoughts[-1], block.get("signature")):
+                message[UNVERIFIED] = True  # not the thinking the gateway signed: the history was edited
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use" and isinstance(block.get("name"), str):
@@ -115,7 +125,7 @@ def _system(raw: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text_of(raw, "system")}]
 
 
-def read_request(body: dict[str, Any]) -> MessagesRequest:
+def read_request(body: dict[str, Any], signer: Signer) -> MessagesRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "model: field required (a string)", "model")
@@ -135,20 +145,27 @@ def read_request(body: dict[str, Any]) -> MessagesRequest:
         elif item["role"] == "user":
             messages.extend(_user(item.get("content"), where))
         else:
-            messages.append(_assistant(item.get("content"), where))
-    tools = _tools(body.get("tools"))
+            messages.append(_assistant(item.get("content"), where, signer))
+    tools, ignored_tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
+    constraint = NONE
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
             raise GatewayError(400, "tool_choice.type must be one of auto, any, tool, none", "tool_choice")
         if choice["type"] == "none":
             tools = None
+        elif choice["type"] != "auto":  # a forced call: constrained as SGLang constrains OpenAI's "required"
+            name = choice.get("name") if choice["type"] == "tool" else None
+            if choice["type"] == "tool" and not isinstance(name, str):
+                raise GatewayError(400, "tool_choice.name: field required for type tool", "tool_choice.name")
+            constraint = forced_calls(tools, name, parallel=not choice.get("disable_parallel_tool_use"))
     params = {"max_new_tokens": limit, "temperature": opt_number(body, "temperature", 0.0, 1.0),
               "top_p": opt_number(body, "top_p", 0.0, 1.0), "top_k": opt_int(body, "top_k"),
               "stop": stop_list(body.get("stop_sequences"), "stop_sequences")}
     return MessagesRequest(model=model, messages=messages, tools=tools,
                            params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
-                           ignored=sorted(set(body) - READ_FIELDS))
+                           ignored=sorted(set(body) - READ_FIELDS), ignored_tools=ignored_tools,
+                           constraint=constraint)
 
 
 def stop_reason(answer: TurnAnswer) -> str:
@@ -157,11 +174,11 @@ def stop_reason(answer: TurnAnswer) -> str:
     return "max_tokens" if answer.engine_finish == "length" else "end_turn"
 
 
-def blocks(answer: TurnAnswer) -> list[dict[str, Any]]:
+def blocks(answer: TurnAnswer, signer: Signer) -> list[dict[str, Any]]:
     parsed = answer.parsed
     out: list[dict[str, Any]] = []
     if parsed.reasoning:
-        out.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        out.append({"type": "thinking", "thinking": parsed.reasoning, "signature": signer.sign(parsed.reasoning)})
     if parsed.content:
         out.append({"type": "text", "text": parsed.content})
     for call in parsed.tool_calls:
@@ -174,18 +191,19 @@ def message_id(answer: TurnAnswer, session_id: str) -> str:
     return f"msg_{session_id.rpartition('~')[2]}_{answer.node.index}"
 
 
-def message(answer: TurnAnswer, session_id: str, model: str) -> dict[str, Any]:
+def message(answer: TurnAnswer, session_id: str, model: str, signer: Signer) -> dict[str, Any]:
     return {"id": message_id(answer, session_id), "type": "message", "role": "assistant", "model": model,
-            "content": blocks(answer), "stop_reason": stop_reason(answer), "stop_sequence": None,
+            "content": blocks(answer, signer), "stop_reason": stop_reason(answer), "stop_sequence": None,
             "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens}}
 
 
-def events(answer: TurnAnswer, session_id: str, model: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def events(answer: TurnAnswer, session_id: str, model: str, signer: Signer) -> Iterator[
+        tuple[str, dict[str, Any]]]:
     """The answer as Anthropic's stream: (event name, data)."""
-    start = {**message(answer, session_id, model), "content": [], "stop_reason": None,
+    start = {**message(answer, session_id, model, signer), "content": [], "stop_reason": None,
              "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": 1}}
     yield "message_start", {"type": "message_start", "message": start}
-    for index, block in enumerate(blocks(answer)):
+    for index, block in enumerate(blocks(answer, signer)):
         kind = block["type"]
         if kind == "text":
             empty: dict[str, Any] = {"type": "text", "text": ""}
@@ -193,7 +211,7 @@ def events(answer: TurnAnswer, session_id: str, model: str) -> Iterator[tuple[st
         elif kind == "thinking":
             empty = {"type": "thinking", "thinking": "", "signature": ""}
             deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                      {"type": "signature_delta", "signature": ""}]
+                      {"type": "signature_delta", "signature": block["signature"]}]
         else:
             empty = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
             deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}]

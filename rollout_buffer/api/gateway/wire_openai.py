@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.api.gateway.constraints import NONE, Constraint, forced_calls, json_answer
 from rollout_buffer.api.gateway.errors import GatewayError
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.wire_common import opt_bool, opt_int, opt_number, stop_list, text_of
+from rollout_buffer.api.gateway.wire_tools import openai_label
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -23,21 +25,28 @@ class ChatRequest:
     params: dict[str, Any]
     stream: bool
     include_usage: bool
+    ignored_tools: list[str]
+    constraint: Constraint = NONE
 
 
-def check_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """OpenAI function tools, checked."""
+def check_tools(tools: Any) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """OpenAI function tools, checked; other tool types (`custom`, hosted ones) left out, their labels."""
     if tools is None:
-        return None
+        return None, []
     if not isinstance(tools, list):
         raise GatewayError(400, "tools must be a list", "tools")
+    kept, ignored = [], []
     for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") not in ("function", None):
+            ignored.append(openai_label(tool.get("type")))
+            continue
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+        if not isinstance(tool, dict) or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str) or not function["name"]:
             raise GatewayError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                                f"tools[{i}]")
-    return tools or None
+        kept.append(tool)
+    return kept or None, ignored
 
 
 def _message(i: int, raw: Any) -> dict[str, Any]:
@@ -65,6 +74,28 @@ def _message(i: int, raw: Any) -> dict[str, Any]:
     return message
 
 
+def _constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Constraint:
+    """`tool_choice` "required" / a named function, else `response_format`, as a generation constraint."""
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls") is not False
+    if choice == "required":
+        return forced_calls(tools, None, parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if not isinstance(name, str):
+            raise GatewayError(400, "tool_choice.function.name must be a string", "tool_choice")
+        return forced_calls(tools, name)
+    if choice not in (None, "none", "auto"):
+        raise GatewayError(400, "tool_choice must be 'none', 'auto', 'required' or a function", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is None:
+        return NONE
+    if not isinstance(fmt, dict):
+        raise GatewayError(400, "response_format must be an object", "response_format")
+    spec = fmt.get("json_schema")
+    return json_answer(fmt.get("type"), spec.get("schema") if isinstance(spec, dict) else None, "response_format")
+
+
 def read_request(body: dict[str, Any]) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -72,13 +103,10 @@ def read_request(body: dict[str, Any]) -> ChatRequest:
     n = opt_int(body, "n")
     if n not in (None, 1):
         raise GatewayError(400, "n must be 1: a session is one trajectory", "n")
-    tool_choice = body.get("tool_choice")
-    tools = check_tools(body.get("tools"))
-    if tool_choice == "none":
+    tools, ignored_tools = check_tools(body.get("tools"))
+    constraint = _constraint(body, tools)
+    if body.get("tool_choice") == "none":
         tools = None
-    elif tool_choice not in (None, "auto", "required") and not (
-            isinstance(tool_choice, dict) and tool_choice.get("type") == "function"):
-        raise GatewayError(400, "tool_choice must be 'none', 'auto', 'required' or a function", "tool_choice")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise GatewayError(400, "stream_options must be an object", "stream_options")
@@ -91,7 +119,8 @@ def read_request(body: dict[str, Any]) -> ChatRequest:
         raise GatewayError(400, "model must be a string", "model")
     return ChatRequest(model=model or "", messages=[_message(i, m) for i, m in enumerate(messages)], tools=tools,
                        params={k: v for k, v in params.items() if v is not None}, stream=opt_bool(body, "stream"),
-                       include_usage=bool((options or {}).get("include_usage")))
+                       include_usage=bool((options or {}).get("include_usage")), ignored_tools=ignored_tools,
+                       constraint=constraint)
 
 
 def finish_reason(answer: TurnAnswer) -> str:

@@ -1,9 +1,10 @@
 """The scripted answers: what the test engine's "model" says to a rendered prompt.
 
 It finds the last arithmetic question of the last user turn, calls the calculator tool when the prompt
-offers one (else a `Bash` tool, Claude Code's shell, with `echo $(( expr ))`), answers in `\\boxed{}` from a tool result when one came back, and otherwise answers directly,
-right with probability `p_correct`. Plain text in, plain text out: the token-level policy (noise tokens,
-think blocks, logprobs) wraps it.
+offers one (also as `<namespace>.calculator`; else a `Bash` tool, Claude Code's shell, or `exec_command`,
+Codex's, with `echo $(( expr ))`), answers in `\\boxed{}` from a tool result when one came back, and
+otherwise answers directly, right with probability `p_correct`. Plain text in, plain text out: the
+token-level policy (noise tokens, think blocks, logprobs) wraps it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ _TOOL_RESULT_RES = (
     re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL),
     re.compile(r"<｜tool▁output▁begin｜>(.*?)<｜tool▁output▁end｜>", re.DOTALL),
 )
-_CALCULATOR_RE = re.compile(r'"name"\s*:\s*"calculator"')
+_CALCULATOR_RE = re.compile(r'"name"\s*:\s*"((?:[\w-]+\.)?calculator)"')  # maybe in a namespace (`math.calculator`)
 _BASH_RE = re.compile(r'"name"\s*:\s*"Bash"')  # Claude Code's shell tool
+_EXEC_RE = re.compile(r'"name"\s*:\s*"exec_command"')  # Codex CLI's shell tool
 _EXPR_RE = re.compile(r"[\d(][\d\s.+\-*/()]*[\d)]")
 _HAS_OP_RE = re.compile(r"\d\s*\)*\s*[-+*/]\s*\(*\s*\d")
 _OPS: dict[type, Callable[..., Any]] = {
@@ -110,11 +112,15 @@ def default_responder(prompt_text: str, rng: random.Random, p_correct: float = 0
         except ValueError:
             pass
         return f"The answer is \\boxed{{{format_number(value)}}}"
-    if _CALCULATOR_RE.search(prompt_text):
-        call = {"name": "calculator", "arguments": {"expression": expr}}
+    calculator = _CALCULATOR_RE.search(prompt_text)
+    if calculator:
+        call = {"name": calculator.group(1), "arguments": {"expression": expr}}
         return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
     if _BASH_RE.search(prompt_text):  # an agent with a shell (Claude Code): compute it there
         call = {"name": "Bash", "arguments": {"command": f"echo $(( {expr} ))", "description": "Compute the value"}}
+        return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
+    if _EXEC_RE.search(prompt_text):  # Codex CLI: compute it in its shell
+        call = {"name": "exec_command", "arguments": {"cmd": f"echo $(( {expr} ))"}}
         return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
     if rng.random() >= p_correct:
         value = value + rng.choice([-3, -2, -1, 1, 2, 3, 10])

@@ -35,6 +35,11 @@ class EngineConfig:
     moe_topk: int = 2
     moe_experts: int = 8
     routed_experts_from_cache: bool = False
+    # streamed `/generate` (`"stream": true`): seconds per generated token, chunks every `stream_interval`
+    # tokens, cumulative (SGLang's default) or incremental (`--incremental-streaming-output`)
+    token_delay_s: float = 0.0
+    stream_interval: int = 1
+    incremental_streaming_output: bool = False
 
     def update(self, values: dict[str, Any]) -> None:
         """Apply validated changes; unknown keys or bad values raise ValueError."""
@@ -53,9 +58,10 @@ class EngineConfig:
         return data
 
 
-_FLOAT_KEYS = {"latency_s", "latency_jitter_s", "p_correct", "error_rate", "abort_rate", "hang_rate", "malformed_rate"}
+_FLOAT_KEYS = {"latency_s", "latency_jitter_s", "token_delay_s", "p_correct",
+               "error_rate", "abort_rate", "hang_rate", "malformed_rate"}
 _INT_KEYS = {"seed", "fail_next", "abort_next", "hang_next", "malformed_next", "spec_draft_tokens", "moe_layers",
-             "moe_topk", "moe_experts"}
+             "moe_topk", "moe_experts", "stream_interval"}
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -78,7 +84,7 @@ def _coerce(key: str, value: Any) -> Any:
         if not 0 <= low <= high:
             raise ValueError(f"noise_tokens must be 0 <= low <= high, got {value!r}")
         return (low, high)
-    if key == "routed_experts_from_cache":
+    if key in ("routed_experts_from_cache", "incremental_streaming_output"):
         if not isinstance(value, bool):
             raise ValueError(f"{key} must be true or false")
         return value

@@ -16,7 +16,7 @@ from aiohttp import web
 from rollout_buffer.testing.engine.chat import build_chat
 from rollout_buffer.testing.engine.faults import Fault
 from rollout_buffer.testing.engine.generate import build_generate
-from rollout_buffer.testing.engine.http_server import BadRequest, Handler, Request, json_response, read_json
+from rollout_buffer.testing.engine.http_server import BadRequest, Handler, Request, Streamed, json_response, read_json
 
 if TYPE_CHECKING:
     from rollout_buffer.testing.engine.server import TestEngine
@@ -68,7 +68,7 @@ def _counted(engine: TestEngine, endpoint: Endpoint) -> Handler:
     return handler
 
 
-async def _generate(engine: TestEngine, request: Request) -> web.Response:
+async def _generate(engine: TestEngine, request: Request) -> web.Response | Streamed:
     return await engine.serve_generation(request, build_generate)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_buffer.testing.engine.http_server import BadRequest
 from rollout_buffer.testing.engine.output import Result
 from rollout_buffer.testing.engine.replay import replay_meta
+from rollout_buffer.testing.engine.stream import stream_generate
 
 if TYPE_CHECKING:
     from rollout_buffer.testing.engine.server import TestEngine
@@ -21,11 +22,11 @@ if TYPE_CHECKING:
 
 async def build_generate(engine: TestEngine, body: dict[str, Any], fault: str) -> Any:
     """The answer body of one `/generate` request (a list for a batch)."""
-    if body.get("stream"):
-        raise BadRequest("streaming is not supported by the test engine")
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise BadRequest("sampling_params must be an object")
+    if body.get("stream"):
+        return stream_generate(engine, body, params)
     batch, prompts = _prompts_of(engine.tokenizer, body)
     rids = body.get("rid")
     if batch:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httptools
@@ -43,7 +43,16 @@ class Request:
         return self._body
 
 
-Handler = Callable[[Request], Awaitable[web.Response]]
+class Streamed:
+    """A chunked answer (server-sent events): its chunks are written as they come; a client that disconnects
+    cancels the handler's task, and with it the iterator."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], content_type: str = "text/event-stream") -> None:
+        self.chunks = chunks
+        self.content_type = content_type
+
+
+Handler = Callable[[Request], Awaitable["web.Response | Streamed"]]
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -77,7 +86,7 @@ class HTTPServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _HTTPConnection(self, loop), sock=sock, backlog=4096)
 
-    async def dispatch(self, request: Request) -> web.Response:
+    async def dispatch(self, request: Request) -> web.Response | Streamed:
         by_method = self.routes.get(request.path)
         if by_method is None:
             return web.Response(status=404, text="404: Not Found")
@@ -174,7 +183,7 @@ class _HTTPConnection(asyncio.Protocol):
             while self.queue and not self.closed:
                 request, keep_alive = self.queue.popleft()
                 if request is None:
-                    response = web.Response(status=413, text="413: Request Entity Too Large")
+                    response: web.Response | Streamed = web.Response(status=413, text="413: Request Entity Too Large")
                 else:
                     try:
                         response = await self.server.dispatch(request)
@@ -182,7 +191,10 @@ class _HTTPConnection(asyncio.Protocol):
                         raise
                     except Exception as exc:  # noqa: BLE001 - a handler bug answers 500, as aiohttp does
                         response = web.Response(status=500, text=f"500: Internal Server Error ({exc!r})")
-                self._write(response, keep_alive)
+                if isinstance(response, Streamed):
+                    await self._write_stream(response, keep_alive)
+                else:
+                    self._write(response, keep_alive)
                 if not keep_alive:
                     return
         finally:
@@ -201,6 +213,23 @@ class _HTTPConnection(asyncio.Protocol):
             head.append("Connection: close\r\n")
         head.append("\r\n")
         self.transport.write("".join(head).encode("latin-1") + body)
+        if not keep_alive:
+            self.close()
+
+    async def _write_stream(self, response: Streamed, keep_alive: bool) -> None:
+        """The head, then each chunk as it comes (`Transfer-Encoding: chunked`), then the last chunk."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        head = (f"HTTP/1.1 200 OK\r\nContent-Type: {response.content_type}\r\nCache-Control: no-cache\r\n"
+                f"Transfer-Encoding: chunked\r\n{self.server.extra_head}"
+                f"{'' if keep_alive else 'Connection: close' + chr(13) + chr(10)}\r\n")
+        self.transport.write(head.encode("latin-1"))
+        async for chunk in response.chunks:
+            if self.closed or self.transport.is_closing():
+                return
+            if chunk:
+                self.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.transport.write(b"0\r\n\r\n")
         if not keep_alive:
             self.close()
 

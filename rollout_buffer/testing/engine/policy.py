@@ -18,6 +18,7 @@ from typing import Any
 
 from rollout_buffer.testing.engine.answers import Responder, default_responder
 from rollout_buffer.testing.engine.codec import Codec, regular_vocab
+from rollout_buffer.testing.engine.constrained import constrained
 from rollout_buffer.testing.engine.config import EngineConfig
 from rollout_buffer.testing.tokenizer import NUM_REGULAR_TOKENS
 
@@ -101,10 +102,13 @@ class ScriptedPolicy:
             return self._custom_responder(prompt_text, rng)
         return default_responder(prompt_text, rng, p_correct=self.config.p_correct)
 
-    def plan(self, prompt_ids: list[int], rng: random.Random, extra_tokens: int = 0) -> Plan:
-        """Build the full scripted output: noise tokens, the scripted text, then EOS."""
+    def plan(self, prompt_ids: list[int], rng: random.Random, extra_tokens: int = 0,
+             json_schema: Any = None) -> Plan:
+        """Build the full scripted output: noise tokens, the scripted text (fit to `json_schema`), then EOS."""
         prompt_text = self.codec.decode(prompt_ids, skip_special_tokens=False)
         script = self.answer(prompt_text, rng)
+        if json_schema is not None:
+            script = constrained(script, json_schema)
         low, high = self.config.noise_tokens
         noise = noise_tokens(rng, rng.randint(low, high))
         tail = prompt_text.rstrip(" \n")
@@ -112,6 +116,8 @@ class ScriptedPolicy:
             segments: list[str | list[int]] = [noise, "\n</think>\n\n" + script]
         elif self.template == "qwen3" and not tail.endswith("</think>"):
             segments = ["<think>\n", noise, "\n</think>\n\n" + script]
+        elif json_schema is not None:  # the grammar allows nothing before the JSON
+            segments = [script]
         else:
             segments = [noise, "\n\n" + script] if noise else [script]
         if not noise:

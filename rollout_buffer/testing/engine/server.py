@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import random
 import socket
 import threading
 import uuid
@@ -24,7 +25,14 @@ from rollout_buffer.testing.engine.codec import codec_for
 from rollout_buffer.testing.engine.config import EngineConfig
 from rollout_buffer.testing.engine.endpoints import routes
 from rollout_buffer.testing.engine.faults import ABORT_MESSAGE, Fault, FaultInjector
-from rollout_buffer.testing.engine.http_server import BadRequest, HTTPServer, Request, json_response, read_json
+from rollout_buffer.testing.engine.http_server import (
+    BadRequest,
+    HTTPServer,
+    Request,
+    Streamed,
+    json_response,
+    read_json,
+)
 from rollout_buffer.testing.engine.inflight import InFlight
 from rollout_buffer.testing.engine.output import (
     SGLANG_DEFAULT_MAX_NEW_TOKENS,
@@ -33,7 +41,7 @@ from rollout_buffer.testing.engine.output import (
     finish,
     output_text,
 )
-from rollout_buffer.testing.engine.policy import ScriptedPolicy
+from rollout_buffer.testing.engine.policy import Plan, ScriptedPolicy
 from rollout_buffer.testing.engine.replay import PrefixCache
 from rollout_buffer.testing.engine.stats import EngineStats
 from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
@@ -41,6 +49,9 @@ from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwe
 Build = Callable[["TestEngine", dict[str, Any], str], Awaitable[Any]]
 ENGINE_ID_HEADER = "X-Test-Engine-Id"
 CALL_LOG_SIZE = 2_048  # generations kept in the call log (the oldest go first)
+
+
+CONSTRAINTS = ("json_schema", "ebnf", "regex")  # structured-output parameters, recorded in the call log
 
 
 class TestEngine:
@@ -178,37 +189,52 @@ class TestEngine:
         index: int = 0,
     ) -> Result:
         """Plan, wait out the latency (abortable), and cut the output as SGLang would."""
-        check_token_ids(prompt_ids, self.codec.vocab_size)
-        raw_temperature = params.get("temperature")
-        temperature = 1.0 if raw_temperature is None else float(raw_temperature)
-        rng = self.policy.request_rng(prompt_ids, rid, temperature, index)
-        max_new = params.get("max_new_tokens")
-        extra = int(max_new) if params.get("ignore_eos") and max_new is not None else 0
-        plan = self.policy.plan(prompt_ids, rng, extra_tokens=extra)
-        count, reason = finish(plan, params, default_max, self.stop_ids, self.codec)
-        request_id = rid or uuid.uuid4().hex
+        plan, count, reason, rng, request_id = self.prepare(prompt_ids, params, rid, default_max, index)
         delay = self.config.latency_s + rng.uniform(0, self.config.latency_jitter_s)
         aborted = await self.inflight.wait(request_id, delay)
         if aborted is not None:
             message, elapsed_share = aborted
             count = min(count - 1, int(count * elapsed_share)) if count else 0
             reason = {"type": "abort", "message": message}
-            with self._lock:
-                self.stats.aborts += 1
-                self.stats.aborts_requested += 1
+            self.count_abort()
         elif fault == Fault.ABORT:
             count = self.faults.abort_at(count, rng)
             reason = {"type": "abort", "message": ABORT_MESSAGE}
         ids = plan.ids[: max(count, 0)]
         text = output_text(ids, reason, params, self.codec)
+        self.record(request_id, prompt_ids, ids, plan.logprobs[: len(ids)], reason, params)
+        return Result(ids, plan.logprobs[: len(ids)], reason, text, list(prompt_ids), request_id)
+
+    def prepare(self, prompt_ids: list[int], params: dict[str, Any], rid: str | None,
+                default_max: int = SGLANG_DEFAULT_MAX_NEW_TOKENS, index: int = 0) -> tuple[
+                    Plan, int, dict[str, Any], random.Random, str]:
+        """The planned output, where SGLang's stop rules cut it and why, the request's rng and id."""
+        check_token_ids(prompt_ids, self.codec.vocab_size)
+        raw_temperature = params.get("temperature")
+        temperature = 1.0 if raw_temperature is None else float(raw_temperature)
+        rng = self.policy.request_rng(prompt_ids, rid, temperature, index)
+        max_new = params.get("max_new_tokens")
+        extra = int(max_new) if params.get("ignore_eos") and max_new is not None else 0
+        plan = self.policy.plan(prompt_ids, rng, extra_tokens=extra, json_schema=params.get("json_schema"))
+        count, reason = finish(plan, params, default_max, self.stop_ids, self.codec)
+        return plan, count, reason, rng, rid or uuid.uuid4().hex
+
+    def count_abort(self) -> None:
+        with self._lock:
+            self.stats.aborts += 1
+            self.stats.aborts_requested += 1
+
+    def record(self, request_id: str, prompt_ids: list[int], ids: list[int], logprobs: list[float],
+               reason: dict[str, Any], params: dict[str, Any]) -> None:
+        """Count a finished generation and add it to the call log."""
         with self._lock:
             self.stats.prompt_tokens += len(prompt_ids)
             self.stats.generated_tokens += len(ids)
             self.calls.append({"rid": request_id, "prompt_ids": list(prompt_ids), "output_ids": list(ids),
-                               "output_logprobs": list(plan.logprobs[: len(ids)]), "finish_reason": reason})
-        return Result(ids, plan.logprobs[: len(ids)], reason, text, list(prompt_ids), request_id)
+                               "output_logprobs": list(logprobs), "finish_reason": reason,
+                               **{k: params[k] for k in CONSTRAINTS if params.get(k) is not None}})
 
-    async def serve_generation(self, request: Request, build: Build) -> web.Response:
+    async def serve_generation(self, request: Request, build: Build) -> web.Response | Streamed:
         """Shared path for generation endpoints: counting, faults, errors, malformed bodies."""
         with self._lock:
             self.stats.requests += 1
@@ -229,6 +255,8 @@ class TestEngine:
                 with self._lock:
                     self.stats.bad_requests += 1
                 return json_response({"error": {"message": str(exc)}, "object": "error"}, 400)
+            if isinstance(payload, Streamed):
+                return payload  # written as it is generated; its end is counted there
             body = orjson.dumps(payload)
             with self._lock:
                 self.stats.completed += 1
