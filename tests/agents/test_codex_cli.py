@@ -19,7 +19,7 @@ import pytest
 
 from rollout_buffer.testing.engine import run_engine_in_thread
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer, qwen_tokenizer_dir
-from tests.support.claude_code import cache_root
+from tests.support.npm_tools import cache_root
 from tests.support.codex_cli import install_codex, provider_config
 from tests.support.gateway import (
     assert_one_branch,

@@ -1,77 +1,16 @@
-"""Claude Code for the tests: installed from the npm registry once per version into a cache folder
-(`ROLLOUT_BUFFER_TOOL_CACHE`, default `~/.cache/rollout-buffer/tools`), reused after. npm missing is an
-error, not a skip: CI (`.ci/run`) installs nodejs and npm from Debian when they are absent."""
+"""Claude Code for the tests: `@anthropic-ai/claude-code` from the npm registry, cached (`tests.support.npm_tools`)."""
 
 from __future__ import annotations
 
-import fcntl
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+
+from tests.support.npm_tools import cache_root, install_npm_tool, readable_by_any_uid
 
 CLAUDE_CODE_VERSION = "2.1.197"
 PACKAGE = "@anthropic-ai/claude-code"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ROLLOUT_BUFFER_TOOL_CACHE") or Path.home() / ".cache" / "rollout-buffer" / "tools")
-
-
-def _works(binary: Path) -> bool:
-    try:
-        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60,
-                             env={"PATH": os.environ.get("PATH", ""), "HOME": tempfile.gettempdir()})
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and CLAUDE_CODE_VERSION in out.stdout
+__all__ = ["CLAUDE_CODE_VERSION", "cache_root", "install_claude_code", "readable_by_any_uid"]
 
 
 def install_claude_code(version: str = CLAUDE_CODE_VERSION) -> Path:
     """The `claude` binary of `version`, installing it with npm on first use; RuntimeError when it cannot."""
-    root = cache_root()
-    target = root / f"claude-code-{version}"
-    binary = target / "node_modules" / ".bin" / "claude"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".claude-code.lock", "w") as lock:  # one installer at a time (xdist workers)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if binary.exists() and _works(binary):
-            return binary
-        npm = shutil.which("npm")
-        if npm is None:
-            raise RuntimeError("npm is not installed: the Claude Code test needs Node.js and npm to install "
-                               f"{PACKAGE} (Debian: apt-get install nodejs npm; .ci/run does this)")
-        staging = Path(tempfile.mkdtemp(prefix="claude-code-", dir=root))
-        done = subprocess.run([npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund",
-                               f"{PACKAGE}@{version}"], capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise RuntimeError(f"npm install {PACKAGE}@{version} failed ({done.returncode}): {done.stderr[-3000:]}")
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        if not _works(binary):
-            raise RuntimeError(f"{binary} does not run after installing {PACKAGE}@{version}")
-        return binary
-
-
-def readable_by_any_uid(install: Path) -> Path:
-    """`install` (a tool's install folder) where any uid can read it: itself when every folder above it is
-    world-readable, else a hard-linked copy in the temp dir (a bwrap sandbox runs as a uid of its own)."""
-    parts = [install, *install.parents]
-    if all(p.stat().st_mode & 0o001 for p in parts):
-        return install
-    target = Path(tempfile.gettempdir()) / "rollout-buffer-tools-readable" / install.name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(target.parent, 0o755)
-    with open(target.parent / f".{install.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            staging = Path(tempfile.mkdtemp(prefix=f"{install.name}-", dir=target.parent))
-            copied = subprocess.run(["cp", "-al", f"{install}/.", str(staging)], capture_output=True, text=True)
-            if copied.returncode != 0:  # another filesystem: a plain copy
-                shutil.rmtree(staging, ignore_errors=True)
-                shutil.copytree(install, staging, symlinks=True)
-            os.chmod(staging, 0o755)
-            staging.rename(target)
-    return target
+    return install_npm_tool(PACKAGE, version, folder=f"claude-code-{version}", binary_name="claude")

@@ -1,56 +1,19 @@
-"""Codex CLI for the tests: `@openai/codex` (a Node launcher and its native binary, the platform package)
-installed from the npm registry once per version into the tool cache (`tests.support.claude_code`'s), reused
-after. npm missing is an error, not a skip, as for Claude Code."""
+"""Codex CLI for the tests: `@openai/codex` (a Node launcher and its native binary, the platform package) from
+the npm registry, cached (`tests.support.npm_tools`)."""
 
 from __future__ import annotations
 
-import fcntl
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-from tests.support.claude_code import cache_root
+from tests.support.npm_tools import install_npm_tool
 
 CODEX_VERSION = "0.171.0"
 PACKAGE = "@openai/codex"
 
 
-def _works(binary: Path) -> bool:
-    try:
-        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60,
-                             env={"PATH": os.environ.get("PATH", ""), "HOME": tempfile.gettempdir()})
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and CODEX_VERSION in out.stdout
-
-
 def install_codex(version: str = CODEX_VERSION) -> Path:
     """The `codex` launcher of `version`, installing it with npm on first use; RuntimeError when it cannot."""
-    root = cache_root()
-    target = root / f"codex-{version}"
-    binary = target / "node_modules" / ".bin" / "codex"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".codex.lock", "w") as lock:  # one installer at a time (xdist workers)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if binary.exists() and _works(binary):
-            return binary
-        npm = shutil.which("npm")
-        if npm is None:
-            raise RuntimeError(f"npm is not installed: the Codex CLI test needs Node.js and npm to install {PACKAGE} "
-                               "(Debian: apt-get install nodejs npm; .ci/run does this)")
-        staging = Path(tempfile.mkdtemp(prefix="codex-", dir=root))
-        done = subprocess.run([npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund",
-                               f"{PACKAGE}@{version}"], capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise RuntimeError(f"npm install {PACKAGE}@{version} failed ({done.returncode}): {done.stderr[-3000:]}")
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        if not _works(binary):
-            raise RuntimeError(f"{binary} does not run after installing {PACKAGE}@{version}")
-        return binary
+    return install_npm_tool(PACKAGE, version, folder=f"codex-{version}", binary_name="codex")
 
 
 def provider_config(base_url: str, env_key: str, *, model: str = "policy") -> str:
