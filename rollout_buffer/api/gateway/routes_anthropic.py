@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from rollout_buffer.api.gateway import wire_anthropic
 from rollout_buffer.api.gateway.errors import GatewayError, error_response, open_session
+from rollout_buffer.api.gateway.field_labels import ignored_field_stats
 from rollout_buffer.api.gateway.serving import answer_turn, sse
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.responses import OrjsonResponse
@@ -23,8 +24,7 @@ async def messages(request: Request) -> Any:
         opened = await open_session(request)
         body = wire_anthropic.read_request(json_object(raw))
         if body.ignored:
-            await opened.gateway.store.incr_stats(opened.session.run_id,
-                                                  {f"gateway_ignored_fields:{name}": 1 for name in body.ignored})
+            await opened.gateway.store.incr_stats(opened.session.run_id, ignored_field_stats("anthropic", body.ignored))
         answer = await answer_turn(opened, body.messages, body.tools, body.params)
     except GatewayError as exc:
         return error_response("anthropic", exc)
