@@ -31,6 +31,7 @@ TASK_TYPE = "agent_command"
 Prepare = Callable[[Sandbox, dict[str, Any], dict[str, str], AgentConfig], Awaitable[None]]
 Command = Callable[[dict[str, Any], dict[str, str], AgentConfig], list[str]]
 _configs: dict[str, AgentConfig] = {}
+MAX_CACHED_CONFIGS = 64
 _slots: dict[str, asyncio.Semaphore] = {}
 
 
@@ -45,6 +46,8 @@ class StepFailed(Exception):
 def config_of(options: dict[str, Any]) -> AgentConfig:
     key = json.dumps(options.get("agent"), sort_keys=True, default=str)
     if key not in _configs:
+        if len(_configs) >= MAX_CACHED_CONFIGS:  # one per run's options: the oldest go first
+            del _configs[next(iter(_configs))]
         _configs[key] = parse(options)
     return _configs[key]
 
@@ -113,6 +116,11 @@ def make_rollout(*, prepare: Prepare | None = None, command: Command | None = No
             return await _run(sample, ctx, config, steps)
 
     return rollout
+
+
+def release_run(run_id: str) -> None:
+    """The run's rollouts are over in this process: drop its concurrency slots (the worker calls this)."""
+    _slots.pop(run_id, None)
 
 
 def _slot(run_id: str, limit: int | None) -> Any:

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_buffer.api.responses import OrjsonResponse
 from rollout_buffer.wire.packing import PackingError
+from rollout_buffer.wire.strict import UNKNOWN_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +32,21 @@ def error_response(status_code: int, message: str, errors: list[dict[str, Any]] 
 
 def _describe(error: dict[str, Any]) -> dict[str, Any]:
     loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    if error.get("type") == UNKNOWN_FIELD:  # raised for the whole body; it names its field
+        loc = [*loc, str((error.get("ctx") or {}).get("field", ""))]
     msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-    return {"field": ".".join(loc) or "body", "message": msg, "type": error.get("type")}
+    return {"field": ".".join(x for x in loc if x) or "body", "message": msg, "type": error.get("type")}
 
 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> OrjsonResponse:
     errors = [_describe(e) for e in exc.errors()]
     if any(e["type"] == "json_invalid" for e in errors):
         return error_response(400, "malformed JSON body: " + "; ".join(e["message"] for e in errors))
+    unknown = [e for e in errors if e["type"] in (UNKNOWN_FIELD, "extra_forbidden")]
+    if unknown:  # a misspelled field is the client's mistake to see, not a value to ignore
+        text = "; ".join(e["message"] if e["type"] == UNKNOWN_FIELD else f"unknown field {e['field']!r}"
+                         for e in unknown)
+        return error_response(400, f"invalid request body: {text}", unknown)
     if any(e["field"] == "body" and e["type"] in ("model_attributes_type", "model_type") for e in errors):
         return error_response(400, "request body must be a JSON object (send Content-Type: application/json)")
     text = "; ".join(f"{e['field']}: {e['message']}" for e in errors[:10])

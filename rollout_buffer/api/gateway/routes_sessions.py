@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from rollout_buffer.api.bodies import json_body, parse_body_with
 from rollout_buffer.security import session_keys as keys_auth
@@ -16,13 +16,12 @@ from rollout_buffer.api.gateway.records import finish_session
 from rollout_buffer.store.sessions import AdmissionClosed
 from rollout_buffer.api.errors import error_response
 from rollout_buffer.wire.schema import RecordStatus
+from rollout_buffer.wire.strict import StrictBody
 
 router = APIRouter(tags=["gateway"])
 
 
-class CreateSession(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CreateSession(StrictBody):
     instance_id: str = Field(min_length=1, max_length=512)
     epoch: int | None = Field(default=None, ge=0, le=1_000_000)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -33,7 +32,7 @@ class CreateSession(BaseModel):
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-class FinishSession(BaseModel):
+class FinishSession(StrictBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     reward: float

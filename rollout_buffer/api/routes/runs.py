@@ -12,6 +12,7 @@ from rollout_buffer.api.state import state_of
 from rollout_buffer.metrics.failures import failure_summary
 from rollout_buffer.runs import retention
 from rollout_buffer.runs.lifecycle import StartRolloutError, start_run
+from rollout_buffer.runs.start_fields import check_start_fields
 from rollout_buffer.runtime.jobqueue import JobQueue
 from rollout_buffer.security.outbound import own_base_url
 from rollout_buffer.store import handover
@@ -24,7 +25,12 @@ router = APIRouter()
 async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
     """Start a run (or find the same one already running) and launch its rollouts."""
     state = state_of(request)
-    if body.task_type == "external" and (not body.input_file or state.registry.get("external") is None):
+    external = body.task_type == "external" and (not body.input_file or state.registry.get("external") is None)
+    try:
+        check_start_fields(body, state.registry.get(body.task_type), external)
+    except StartRolloutError as exc:
+        return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
+    if external:
         try:  # the agent gateway's run: sessions come from clients (rollout_buffer.api.gateway)
             run_id, created = await request.app.state.gateway.start_run(body)
         except StartRolloutError as exc:
