@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "default: any; the list: rollout_buffer/security/outbound.py)")
     network.add_argument("--max-tasks-per-run", type=int,
                          help="largest lines x num_epoch x num_repeat_per_sample of one run (default 10000000)")
+    network.add_argument("--allowed-host", action="append",
+                         help="a Host name the server answers to (repeatable; '*' = any; default: the bound name, "
+                              "localhost names, and this machine's names on a non-loopback bind; IP literals "
+                              "always pass): others are 400, against DNS rebinding")
+    network.add_argument("--cors-origin", action="append",
+                         help="a web page origin (https://host:port) allowed to call the API from a browser "
+                              "(repeatable; default: none)")
 
     worker = sub.add_parser("worker", help="run rollout workers against a shared Redis")
     _server_flags(worker)

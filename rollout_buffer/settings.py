@@ -81,6 +81,12 @@ class Settings(BaseSettings):
     allow_hub_downloads: bool = False
     # Largest task count (input lines x num_epoch x num_repeat_per_sample) one run may enqueue.
     max_tasks_per_run: int = Field(default=DEFAULT_MAX_TASKS_PER_RUN, ge=1)
+    # Host header names the server answers to (DNS rebinding guard, rollout_buffer.api.browser_guard); empty =
+    # the bound name, `localhost` names, and the machine's own names on a non-loopback bind; IP literals always
+    # pass; "*" = any.
+    allowed_host: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Web page origins allowed to call the API from a browser (CORS); none by default.
+    cors_origin: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("task_dir", "input_root", mode="before")
     @classmethod
@@ -112,7 +118,7 @@ class Settings(BaseSettings):
                              f"database {parts.path.strip('/')!r}")
         return self
 
-    @field_validator("allow_url", mode="before")
+    @field_validator("allow_url", "allowed_host", "cors_origin", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:
         # URLs contain ':', so the environment form separates them with commas or whitespace
