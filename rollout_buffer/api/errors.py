@@ -3,13 +3,15 @@ naming the problem, and the body-size limit is enforced before a large body is r
 
 from __future__ import annotations
 
+import errno
 import logging
+import re
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from redis.exceptions import BusyLoadingError
+from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -65,6 +67,36 @@ async def _redis_down_handler(request: Request, exc: Exception) -> OrjsonRespons
                                f"idempotent): {type(exc).__name__}: {exc}")
 
 
+# Redis refusing writes for a while: a failed background save (a full disk: `MISCONF`), out of memory, a
+# replica that is not (yet) the primary, a cluster mid-resharding. Nothing was stored; a retry is safe.
+RETRYABLE_REFUSAL = re.compile(r"(?:^|[\s-])(MISCONF|OOM|READONLY|NOREPLICAS|MASTERDOWN|LOADING|TRYAGAIN|CLUSTERDOWN) ")
+
+
+async def _redis_refused_handler(request: Request, exc: ResponseError) -> OrjsonResponse:
+    """A Redis error answer. The ones that pass with time are 503 "retry" (writes are idempotent by uid),
+    the rest 500 with the reason; neither sends a traceback."""
+    text = str(exc)
+    if RETRYABLE_REFUSAL.search(text):  # also inside a script's error ("... @user_script: 157: -MISCONF ...")
+        log.warning("%s %s: redis refused: %s", request.method, request.url.path, text[:300])
+        answer = error_response(503, f"redis refused the request for now; retry it (writes, leased reads and acks "
+                                     f"are idempotent): {text[:300]}")
+        answer.headers["Retry-After"] = "5"
+        return answer
+    log.error("%s %s: redis error: %s", request.method, request.url.path, text[:300])
+    return error_response(500, f"redis error: {text[:300]}")
+
+
+async def _disk_full_handler(request: Request, exc: OSError) -> OrjsonResponse:
+    """A full disk (or quota) where the server writes files itself: 503 retry; other OS errors are 500."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        log.warning("%s %s: disk full: %s", request.method, request.url.path, exc)
+        answer = error_response(503, f"the server's disk is full; retry the request later: {exc.strerror}")
+        answer.headers["Retry-After"] = "30"
+        return answer
+    log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return error_response(500, f"server error: {type(exc).__name__}: {exc.strerror or exc}")
+
+
 async def _unstorable_handler(request: Request, exc: Exception) -> OrjsonResponse:
     """A value JSON allows but the store's packed form does not (integers beyond 64 bits, token ids beyond
     int32). Records are packed before any Redis call, so nothing was stored."""
@@ -78,6 +110,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
     for error in (RedisConnectionError, RedisTimeoutError, BusyLoadingError):
         app.add_exception_handler(error, _redis_down_handler)
+    app.add_exception_handler(ResponseError, _redis_refused_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(OSError, _disk_full_handler)  # type: ignore[arg-type]
 
 
 class BodySizeLimit:

@@ -13,12 +13,12 @@ and falls back to the full history when it does not hold.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from typing import Any
 
 import numpy as np
 
+from rollout_buffer.api.gateway.json_limits import loads_or_raw
 from rollout_buffer.runtime.prompt_tokens import PromptTokens
 
 log = logging.getLogger(__name__)
@@ -52,12 +52,7 @@ def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def template_arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
+    return loads_or_raw(arguments) if isinstance(arguments, str) else arguments
 
 
 def _stand_in(history: list[dict[str, Any]]) -> list[dict[str, Any]]:

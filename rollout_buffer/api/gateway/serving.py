@@ -12,6 +12,7 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
+from rollout_buffer.api.gateway.json_limits import arguments_problem
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
 from rollout_buffer.tasks.contract import HistoryRewriteError
@@ -23,6 +24,9 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
                       params: dict[str, Any]) -> TurnAnswer:
     """One turn, its failures as GatewayError: 400 a request it cannot render, 429 (Retry-After) the engine
     full or unreachable after retries, 502 the engine refusing."""
+    problem = arguments_problem(messages)  # before any JSON of the history is parsed again
+    if problem is not None:
+        raise GatewayError(400, f"{problem[0]}: {problem[1]}", problem[0])
     try:
         return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools, params)
     except SessionClosed as exc:
