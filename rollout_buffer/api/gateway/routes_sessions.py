@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, field_validator
 
+from rollout_buffer.api import idempotency
 from rollout_buffer.api.bodies import json_body, parse_body_with
 from rollout_buffer.security import session_keys as keys_auth
 from rollout_buffer.api.gateway.errors import RETRY_AFTER_S, gateway_of
@@ -53,7 +54,8 @@ def base_url(request: Request) -> str:
 
 @router.post("/runs/{run_id}/sessions")
 async def create_session(run_id: str, body: CreateSession, request: Request) -> Any:
-    """Open a session of an external run: its API key opens the model endpoints for this session only."""
+    """Open a session of an external run: its API key opens the model endpoints for this session only. With an
+    `Idempotency-Key` header, a retry gets the session the first request created (never a second one)."""
     gw = gateway_of(request)
     config = await gw.store.run_config(run_id)
     external = bool(config) and config.get("task_type") == "external" and not config.get("input_file")
@@ -67,15 +69,28 @@ async def create_session(run_id: str, body: CreateSession, request: Request) -> 
         return error_response(409, f"run {run_id!r} is {status}: it takes no new sessions")
     session_id = keys_auth.new_session_id(run_id)
     api_key, digest = keys_auth.new_key(session_id)
-    try:
-        session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
-                                           group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
-    except AdmissionClosed as exc:
-        await gw.store.incr_stat(run_id, "gateway_sessions_deferred")
-        answer = error_response(429, str(exc))
-        answer.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return answer
-    await gw.store.incr_stat(run_id, "gateway_sessions_created")
+    session = None
+    try:  # a retry with the first request's key takes the first request's session (created or not yet)
+        key = idempotency.key_of(request.headers)
+        if key is not None:
+            facts = await idempotency.claim(gw.store.redis, f"session\x00{run_id}", key,
+                                            idempotency.request_digest(body.model_dump(mode="json")),
+                                            {"session_id": session_id, "api_key": api_key})
+            session_id, api_key = facts["session_id"], facts["api_key"]
+            digest = keys_auth.digest(api_key.rpartition(".")[2])
+            session = await gw.sessions.get(run_id, session_id)
+    except ValueError as exc:  # a malformed key, or one used for another body (KeyReused)
+        return error_response(422 if isinstance(exc, idempotency.KeyReused) else 400, str(exc))
+    if session is None:
+        try:
+            session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
+                                               group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
+        except AdmissionClosed as exc:
+            await gw.store.incr_stat(run_id, "gateway_sessions_deferred")
+            answer = error_response(429, str(exc))
+            answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return answer
+        await gw.store.incr_stat(run_id, "gateway_sessions_created")
     base = base_url(request)
     return {"session_id": session_id, "api_key": api_key, "openai_base_url": f"{base}/v1",
             "anthropic_base_url": base, "expires_at": session.created_at + gw.settings.session_timeout_s,
