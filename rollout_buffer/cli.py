@@ -58,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "0 = rollout loops inside the API process)")
     serve.add_argument("--workers", type=int, help="rollout loops per worker process (default 1; 0 = API only, "
                                                    "no rollouts)")
-    serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB (default 64)")
+    serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB, on every route "
+                                                         "(default 64; writes have this limit)")
+    serve.add_argument("--max-gateway-body-mb", type=float,
+                       help="largest model request (/v1/...) body in MB (default 16)")
+    serve.add_argument("--max-control-body-mb", type=float,
+                       help="largest body of /start_rollout, reads, acks, sessions and /init in MB (default 16)")
+    serve.add_argument("--max-prompt-tokens", type=int,
+                       help="longest prompt of a gateway turn in tokens (default 262144)")
     serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
     serve.add_argument("--group-timeout-s", type=float, help="close incomplete groups after this long (off by default)")
     serve.add_argument("--group-timeout-policy", choices=["hand_over", "drop"], help="what a group timeout does")

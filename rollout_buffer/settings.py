@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     # `serve --workers 0` runs no rollouts at all (API only).
     workers: int = Field(default=1, ge=0, le=64)
     max_body_mb: float = Field(default=64.0, gt=0)
+    # Per route family (rollout_buffer.api.body_limits), each capped by max_body_mb: the model endpoints (/v1/...)
+    # and the control routes (/start_rollout, reads, acks, sessions, /init).
+    max_gateway_body_mb: float = Field(default=16.0, gt=0)
+    max_control_body_mb: float = Field(default=16.0, gt=0)
+    # A gateway turn whose prompt is longer is refused (400) before it reaches the engine; a conversation whose
+    # text is more than 16 characters per allowed token is refused before it is rendered.
+    max_prompt_tokens: int = Field(default=262_144, ge=1)
     # Embedded Redis durability: "everysec" survives any process kill (the AOF is written before the
     # reply); "always" also survives a power loss, at the cost of one fsync per write.
     appendfsync: Literal["always", "everysec"] = "everysec"

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from rollout_buffer import __version__
 from rollout_buffer.api.bodies import install_openapi
+from rollout_buffer.api.body_limits import BodyLimits
 from rollout_buffer.api.browser_guard import BrowserGuard, default_hosts
 from rollout_buffer.api.errors import BodySizeLimit, install_error_handlers
 from rollout_buffer.api.fast_write import FastWrite
@@ -124,7 +125,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     # innermost: single-record writes answered without the framework's routing (inside the limit and auth)
     app.add_middleware(FastWrite)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, limits=BodyLimits.from_settings(settings))
     token = settings.resolved_auth_token()
     if token is not None:  # a request without the token is refused before its body is read
         app.add_middleware(BearerAuth, token=token)

@@ -17,6 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout_buffer.api.body_limits import BodyLimits, Limit
 from rollout_buffer.api.responses import OrjsonResponse
 from rollout_buffer.wire.packing import PackingError
 from rollout_buffer.wire.strict import UNKNOWN_FIELD
@@ -115,20 +116,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodySizeLimit:
-    """Refuses request bodies over `max_bytes` with 413, by header or by counting streamed bytes."""
+    """Refuses request bodies over their route family's limit (`rollout_buffer.api.body_limits`) with 413, by
+    header or by counting streamed bytes."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, limits: BodyLimits) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limits.for_path(scope.get("path", ""))
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit():
-                if int(value) > self.max_bytes:
-                    await self._refuse(send)
+                if int(value) > limit.max_bytes:
+                    await self._refuse(send, limit)
                     return
                 if b"transfer-encoding" not in (n for n, _ in scope["headers"]):
                     # the HTTP parser delivers exactly content-length bytes: nothing to count
@@ -142,8 +145,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLarge(self.max_bytes)
+                if received > limit.max_bytes:
+                    raise _TooLarge(limit)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -155,11 +158,10 @@ class BodySizeLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not response_started:
-                await self._refuse(send)
+                await self._refuse(send, limit)
 
-    async def _refuse(self, send: Send) -> None:
-        body = orjson.dumps({"success": False, "message": f"request body exceeds the limit of {self.max_bytes} bytes "
-                                                          "(set --max-body-mb)"})
+    async def _refuse(self, send: Send, limit: Limit) -> None:
+        body = orjson.dumps({"success": False, "message": limit.message()})
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -169,5 +171,5 @@ class _TooLarge(StarletteHTTPException):
     """Raised from `receive` when the streamed body passes the limit. An HTTPException, so FastAPI's own
     body parsing (which turns other errors into 400) lets it through and the answer is 413 on every route."""
 
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"request body exceeds the limit of {max_bytes} bytes (set --max-body-mb)")
+    def __init__(self, limit: Limit) -> None:
+        super().__init__(413, limit.message())

@@ -18,6 +18,19 @@ from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
 from rollout_buffer.tasks.contract import HistoryRewriteError
 
 log = logging.getLogger(__name__)
+MAX_CHARS_PER_TOKEN = 16  # no tokenizer packs more text than this into one token, but for degenerate text
+
+
+def text_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of the messages' text and tool-call arguments (what the template renders)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        total += len(content) if isinstance(content, str) else 0
+        for call in message.get("tool_calls") or ():
+            arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+            total += len(arguments) if isinstance(arguments, str) else 0
+    return total
 
 
 async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -27,6 +40,11 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
     problem = arguments_problem(messages)  # before any JSON of the history is parsed again
     if problem is not None:
         raise GatewayError(400, f"{problem[0]}: {problem[1]}", problem[0])
+    limit = opened.gateway.settings.max_prompt_tokens
+    if text_chars(messages) > limit * MAX_CHARS_PER_TOKEN:  # before the render: far too long to fit
+        raise GatewayError(400, f"the conversation is {text_chars(messages)} characters, more than the "
+                                f"{limit * MAX_CHARS_PER_TOKEN} a prompt of --max-prompt-tokens {limit} can hold",
+                           "messages")
     try:
         return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools, params)
     except SessionClosed as exc:
