@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest body of /start_rollout, reads, acks, sessions and /init in MB (default 16)")
     serve.add_argument("--max-prompt-tokens", type=int,
                        help="longest prompt of a gateway turn in tokens (default 262144)")
+    serve.add_argument("--max-session-turns", type=int, help="turns one gateway session may take (default 1000)")
+    serve.add_argument("--max-session-forks", type=int,
+                       help="forks (edited, rewound or compacted histories) of one session (default 100)")
+    serve.add_argument("--max-session-mb", type=float, help="token data one session may store in MB (default 256)")
+    serve.add_argument("--max-open-sessions-per-run", type=int,
+                       help="gateway sessions open at once in one run (default 10000)")
+    serve.add_argument("--max-open-sessions", type=int, help="gateway sessions open at once in the server "
+                                                             "(default 50000)")
     serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
     serve.add_argument("--group-timeout-s", type=float, help="close incomplete groups after this long (off by default)")
     serve.add_argument("--group-timeout-policy", choices=["hand_over", "drop"], help="what a group timeout does")

@@ -54,6 +54,13 @@ class Settings(BaseSettings):
     # A gateway turn whose prompt is longer is refused (400) before it reaches the engine; a conversation whose
     # text is more than 16 characters per allowed token is refused before it is rendered.
     max_prompt_tokens: int = Field(default=262_144, ge=1)
+    # Gateway session caps (rollout_buffer.api.gateway.session_caps): one session's turns, forks and stored MB
+    # (409 at the cap), and sessions open at once in one run and in the server (429 with Retry-After).
+    max_session_turns: int = Field(default=1000, ge=1)
+    max_session_forks: int = Field(default=100, ge=0)
+    max_session_mb: float = Field(default=256.0, gt=0)
+    max_open_sessions_per_run: int = Field(default=10_000, ge=1)
+    max_open_sessions: int = Field(default=50_000, ge=1)
     # Embedded Redis durability: "everysec" survives any process kill (the AOF is written before the
     # reply); "always" also survives a power loss, at the cost of one fsync per write.
     appendfsync: Literal["always", "everysec"] = "everysec"

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, field_validator
 
 from rollout_buffer.api import idempotency
+from rollout_buffer.api.gateway import session_caps
 from rollout_buffer.api.bodies import json_body, parse_body_with
 from rollout_buffer.security import session_keys as keys_auth
 from rollout_buffer.api.gateway.errors import RETRY_AFTER_S, gateway_of
@@ -82,6 +83,12 @@ async def create_session(run_id: str, body: CreateSession, request: Request) -> 
     except ValueError as exc:  # a malformed key, or one used for another body (KeyReused)
         return error_response(422 if isinstance(exc, idempotency.KeyReused) else 400, str(exc))
     if session is None:
+        crowded = await session_caps.check_open_sessions(gw, run_id)
+        if crowded is not None:
+            await gw.store.incr_stat(run_id, "gateway_sessions_refused_open_cap")
+            answer = error_response(crowded.status, crowded.message)
+            answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return answer
         try:
             session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
                                                group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)

@@ -11,6 +11,7 @@ import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from rollout_buffer.api.gateway import session_caps
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.json_limits import arguments_problem
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
@@ -45,8 +46,11 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
         raise GatewayError(400, f"the conversation is {text_chars(messages)} characters, more than the "
                                 f"{limit * MAX_CHARS_PER_TOKEN} a prompt of --max-prompt-tokens {limit} can hold",
                            "messages")
+    session_caps.check_session(await session_caps.usage(opened.gateway, opened.session), opened.gateway.settings)
     try:
-        return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools, params)
+        answer = await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools, params)
+        await session_caps.account(opened.gateway, opened.session, answer)
+        return answer
     except SessionClosed as exc:
         raise GatewayError(404, str(exc)) from exc
     except TurnRequestError as exc:
