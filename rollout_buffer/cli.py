@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-session-mb", type=float, help="token data one session may store in MB (default 256)")
     serve.add_argument("--max-open-sessions-per-run", type=int,
                        help="gateway sessions open at once in one run (default 10000)")
+    serve.add_argument("--header-timeout-s", type=float,
+                       help="close a connection whose request headers are not complete this long after it opened "
+                            "(default 5)")
+    serve.add_argument("--max-connections", type=int,
+                       help="connections held at once (default: 3/4 of the open-file limit, at most 4096); past "
+                            "it the oldest one still sending headers is closed, or the new one answered 503")
     serve.add_argument("--max-open-sessions", type=int, help="gateway sessions open at once in the server "
                                                              "(default 50000)")
     serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
@@ -178,6 +184,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from rollout_buffer.api.app import create_app
+    from rollout_buffer.api.slow_clients import guarded_protocol
 
     configure_logging(settings.log_level)
     warn_if_exposed(settings)
@@ -187,8 +194,10 @@ def serve(settings: Settings) -> int:
         print(f"rollout-buffer serve: {exc}", file=sys.stderr)
         return 2
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the lifespan stops workers and Redis.
+    # slowloris: a header deadline and a connection cap (rollout_buffer.api.slow_clients)
+    protocol = guarded_protocol(settings.header_timeout_s, settings.max_connections)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, http=protocol, timeout_keep_alive=5)
     return 0
 
 

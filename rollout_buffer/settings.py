@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     max_session_mb: float = Field(default=256.0, gt=0)
     max_open_sessions_per_run: int = Field(default=10_000, ge=1)
     max_open_sessions: int = Field(default=50_000, ge=1)
+    # Slow clients (rollout_buffer.api.slow_clients): a connection whose request headers are not complete this
+    # long after it opened (or after the request's first byte) is closed; at most this many connections are
+    # held (None: three quarters of the open-file limit, at most 4096), then the oldest one still waiting for
+    # its headers is closed, or the new one answered 503.
+    header_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    max_connections: int | None = Field(default=None, ge=1)
     # Embedded Redis durability: "everysec" survives any process kill (the AOF is written before the
     # reply); "always" also survives a power loss, at the cost of one fsync per write.
     appendfsync: Literal["always", "everysec"] = "everysec"
