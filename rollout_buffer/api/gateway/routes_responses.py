@@ -7,15 +7,18 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from rollout_buffer.api.bodies import json_body
 from rollout_buffer.api.gateway import wire_responses
 from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_response, open_session
 from rollout_buffer.api.gateway.records import conversation
+from rollout_buffer.api.gateway.schemas import ResponsesBody
 from rollout_buffer.api.gateway.serving import answer_turn, sse
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.responses import OrjsonResponse
 
-# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
-router = APIRouter(tags=["gateway"], include_in_schema=False)
+# the vendors' own protocols (their SDKs are the clients), documented in this API's schema by the fields the
+# gateway reads (`schemas`), so /docs shows them and the schema fuzzer covers them
+router = APIRouter(tags=["gateway"])
 
 
 async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> list[dict[str, Any]]:
@@ -32,7 +35,7 @@ async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> lis
     return conversation(by_index, by_index[index])
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=json_body(ResponsesBody))
 async def responses(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:
