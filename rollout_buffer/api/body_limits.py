@@ -19,8 +19,7 @@ class Limit:
     flag: str
 
     def message(self) -> str:
-        return (f"request body exceeds the {self.family} routes' limit of {self.max_bytes} bytes "
-                f"(set {self.flag})")
+        return f"request body exceeds the limit of {self.max_bytes} bytes of the {self.family} routes (set {self.flag})"
 
 
 def family_of(path: str) -> str:

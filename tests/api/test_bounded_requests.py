@@ -34,7 +34,7 @@ def test_each_family_has_its_own_limit(client: httpx.Client) -> None:
     body = b'{"pad": "' + b"x" * (3 * 1024 * 1024) + b'"}'
     gateway = client.post("/v1/chat/completions", content=body, headers=JSON)
     assert gateway.status_code == 413, gateway.text
-    assert "gateway routes' limit of 2097152 bytes" in gateway.json()["message"]
+    assert "exceeds the limit of 2097152 bytes of the gateway routes" in gateway.json()["message"]
     assert "--max-gateway-body-mb" in gateway.json()["message"]
     write = client.post("/buffer/write", content=body, headers=JSON)
     assert write.status_code != 413, "records have the larger --max-body-mb limit"
