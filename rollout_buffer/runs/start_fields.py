@@ -31,7 +31,7 @@ SLIME_FIELDS = frozenset({
     "apply_chat_template", "apply_chat_template_kwargs", "rollout_max_context_len", "rollout_seed",
     "rollout_shuffle", "sglang_tool_call_parser", "sglang_reasoning_parser", "max_turns", "gamma"})
 
-# Options the agent gateway reads: meaningless to a run whose rollouts the server drives itself.
+# Options the agent gateway reads: meaningless to a slime-style module, whose calls never pass through it.
 GATEWAY_ONLY = ("tool_call_parser", "reasoning_parser")
 BOOLEANS = ("activate",)
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -52,7 +52,8 @@ def as_bool(name: str, value: Any) -> bool:
 
 
 def check_start_fields(request: StartRolloutRequest, task: TaskModule | None, external: bool) -> None:
-    """Raises StartRolloutError for an unknown field, a misplaced parser option or a non-boolean flag."""
+    """Raises StartRolloutError for an unsafe run id, an unknown field, a parser option on a run that parses
+    nothing through the gateway, or a non-boolean flag."""
     extra = request.model_extra or {}
     if request.run_id is not None and not RUN_ID_RE.match(request.run_id):
         raise StartRolloutError("run_id", "must be 1-128 characters of letters, digits, '_', '.', '-', not starting "
@@ -61,11 +62,12 @@ def check_start_fields(request: StartRolloutRequest, task: TaskModule | None, ex
     for name in extra:
         if name not in known:
             raise StartRolloutError(name, unknown_field_message(name, known))
-    if not external:
+    if not external and task is not None and task.kind == "legacy":
         for name in GATEWAY_ONLY:
             if extra.get(name) is not None:
-                raise StartRolloutError(name, f"applies only to task_type 'external' runs (the agent gateway parses "
-                                              f"their answers); task {request.task_type!r} does its own parsing")
+                raise StartRolloutError(name, f"applies only to runs whose model calls go through the agent gateway "
+                                              f"(task_type 'external', or a native task's sessions); the slime-style "
+                                              f"module {request.task_type!r} parses its own answers")
     for name in BOOLEANS:
         if name in extra:
             as_bool(name, extra[name])

@@ -68,7 +68,7 @@ def test_slimes_own_start_bodies_are_accepted(client: httpx.Client, tmp_path: Pa
 @pytest.mark.parametrize(("extra", "status", "words"), [
     ({"run_id": "."}, 400, "run_id"), ({"run_id": ".."}, 400, "run_id"),
     ({"activate": "maybe"}, 422, "activate"),
-    ({"tool_call_parser": "qwen25"}, 400, "only to task_type 'external'"),
+    ({"tool_call_parser": "qwen25"}, 400, "parses its own answers"),
     ({"group_filter": "os.system"}, 400, "is not a group filter"),
 ])
 def test_start_options_are_checked(client: httpx.Client, tmp_path: Path, extra: dict[str, Any], status: int,
