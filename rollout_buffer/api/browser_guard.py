@@ -70,8 +70,8 @@ class BrowserGuard:
 
     def host_allowed(self, host: str) -> bool:
         name = host_name(host)
-        return self.any_host or _is_ip(name) or name in self.hosts or name.endswith(".localhost") \
-            and "localhost" in self.hosts
+        return self.any_host or _is_ip(name) or name in self.hosts \
+            or (name.endswith(".localhost") and "localhost" in self.hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -101,7 +101,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
                                     json={"instance_id": "fuzz-agent"})
             assert session.status_code == 200, session.text
             for run in (run_id, gateway_run):
-                wait_for(lambda: client.exists(keys.timeline(run)), 30, "the run's first timeline sample")
+                wait_for(lambda run=run: client.exists(keys.timeline(run)), 30, "the run's first timeline sample")
             yield Fuzzed(server, client, run_id, session.json()["api_key"])
     finally:
         client.close()

@@ -35,7 +35,7 @@ def _closed_by_server(conn: socket.socket, within_s: float) -> bool:
     conn.settimeout(within_s)
     try:
         return conn.recv(1) == b""
-    except socket.timeout:
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True

@@ -18,6 +18,7 @@ from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys
 from rollout_buffer.store.sessions import Session
 
+
 @dataclass(frozen=True)
 class Usage:
     turns: int
@@ -44,8 +45,9 @@ def check_session(found: Usage, settings: Settings) -> None:
                                    (found.bytes, settings.max_session_mb * 1024 * 1024, "bytes stored",
                                     "--max-session-mb")):
         if value >= cap:
-            raise GatewayError(409, f"the session has {value} {what}, the cap ({flag} {settings_value(flag, settings)}); "
-                                    "finish it and start a new session")
+            setting = settings_value(flag, settings)
+            raise GatewayError(409, f"the session has {value} {what}, the cap ({flag} {setting}); finish it and "
+                                    "start a new session")
 
 
 def settings_value(flag: str, settings: Settings) -> object:
