@@ -58,7 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
                             "0 = rollout loops inside the API process)")
     serve.add_argument("--workers", type=int, help="rollout loops per worker process (default 1; 0 = API only, "
                                                    "no rollouts)")
-    serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB (default 64)")
+    serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB, on every route "
+                                                         "(default 64; writes have this limit)")
+    serve.add_argument("--max-gateway-body-mb", type=float,
+                       help="largest model request (/v1/...) body in MB (default 16)")
+    serve.add_argument("--max-control-body-mb", type=float,
+                       help="largest body of /start_rollout, reads, acks, sessions and /init in MB (default 16)")
+    serve.add_argument("--max-prompt-tokens", type=int,
+                       help="longest prompt of a gateway turn in tokens (default 262144)")
+    serve.add_argument("--max-session-turns", type=int, help="turns one gateway session may take (default 1000)")
+    serve.add_argument("--max-session-forks", type=int,
+                       help="forks (edited, rewound or compacted histories) of one session (default 100)")
+    serve.add_argument("--max-session-mb", type=float, help="token data one session may store in MB (default 256)")
+    serve.add_argument("--max-open-sessions-per-run", type=int,
+                       help="gateway sessions open at once in one run (default 10000)")
+    serve.add_argument("--header-timeout-s", type=float,
+                       help="close a connection whose request headers are not complete this long after it opened "
+                            "(default 5)")
+    serve.add_argument("--max-connections", type=int,
+                       help="connections held at once (default: 3/4 of the open-file limit, at most 4096); past "
+                            "it the oldest one still sending headers is closed, or the new one answered 503")
+    serve.add_argument("--max-open-sessions", type=int, help="gateway sessions open at once in the server "
+                                                             "(default 50000)")
     serve.add_argument("--appendfsync", choices=["always", "everysec"], help="embedded Redis fsync policy")
     serve.add_argument("--group-timeout-s", type=float, help="close incomplete groups after this long (off by default)")
     serve.add_argument("--group-timeout-policy", choices=["hand_over", "drop"], help="what a group timeout does")
@@ -84,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "run's default; default: none, agent commands are refused 403)")
     network.add_argument("--max-tasks-per-run", type=int,
                          help="largest lines x num_epoch x num_repeat_per_sample of one run (default 10000000)")
+    network.add_argument("--allowed-host", action="append",
+                         help="a Host name the server answers to (repeatable; '*' = any; default: the bound name, "
+                              "localhost names, and this machine's names on a non-loopback bind; IP literals "
+                              "always pass): others are 400, against DNS rebinding")
+    network.add_argument("--cors-origin", action="append",
+                         help="a web page origin (https://host:port) allowed to call the API from a browser "
+                              "(repeatable; default: none)")
 
     worker = sub.add_parser("worker", help="run rollout workers against a shared Redis")
     _server_flags(worker)
@@ -163,6 +191,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from rollout_buffer.api.app import create_app
+    from rollout_buffer.api.slow_clients import guarded_protocol
 
     configure_logging(settings.log_level)
     warn_if_exposed(settings)
@@ -172,8 +201,10 @@ def serve(settings: Settings) -> int:
         print(f"rollout-buffer serve: {exc}", file=sys.stderr)
         return 2
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the lifespan stops workers and Redis.
+    # slowloris: a header deadline and a connection cap (rollout_buffer.api.slow_clients)
+    protocol = guarded_protocol(settings.header_timeout_s, settings.max_connections)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, http=protocol, timeout_keep_alive=5)
     return 0
 
 

@@ -49,6 +49,26 @@ class Settings(BaseSettings):
     # `serve --workers 0` runs no rollouts at all (API only).
     workers: int = Field(default=1, ge=0, le=64)
     max_body_mb: float = Field(default=64.0, gt=0)
+    # Per route family (rollout_buffer.api.body_limits), each capped by max_body_mb: the model endpoints (/v1/...)
+    # and the control routes (/start_rollout, reads, acks, sessions, /init).
+    max_gateway_body_mb: float = Field(default=16.0, gt=0)
+    max_control_body_mb: float = Field(default=16.0, gt=0)
+    # A gateway turn whose prompt is longer is refused (400) before it reaches the engine; a conversation whose
+    # text is more than 16 characters per allowed token is refused before it is rendered.
+    max_prompt_tokens: int = Field(default=262_144, ge=1)
+    # Gateway session caps (rollout_buffer.api.gateway.session_caps): one session's turns, forks and stored MB
+    # (409 at the cap), and sessions open at once in one run and in the server (429 with Retry-After).
+    max_session_turns: int = Field(default=1000, ge=1)
+    max_session_forks: int = Field(default=100, ge=0)
+    max_session_mb: float = Field(default=256.0, gt=0)
+    max_open_sessions_per_run: int = Field(default=10_000, ge=1)
+    max_open_sessions: int = Field(default=50_000, ge=1)
+    # Slow clients (rollout_buffer.api.slow_clients): a connection whose request headers are not complete this
+    # long after it opened (or after the request's first byte) is closed; at most this many connections are
+    # held (None: three quarters of the open-file limit, at most 4096), then the oldest one still waiting for
+    # its headers is closed, or the new one answered 503.
+    header_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    max_connections: int | None = Field(default=None, ge=1)
     # Embedded Redis durability: "everysec" survives any process kill (the AOF is written before the
     # reply); "always" also survives a power loss, at the cost of one fsync per write.
     appendfsync: Literal["always", "everysec"] = "everysec"
@@ -86,6 +106,12 @@ class Settings(BaseSettings):
     # Sandbox backends `agent_command` runs may use (README "Running agents safely"): bwrap, docker, local or
     # "pkg.module:factory". Empty (the default): agent commands are off, and such a run is refused 403.
     agent_sandbox: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Host header names the server answers to (DNS rebinding guard, rollout_buffer.api.browser_guard); empty =
+    # the bound name, `localhost` names, and the machine's own names on a non-loopback bind; IP literals always
+    # pass; "*" = any.
+    allowed_host: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Web page origins allowed to call the API from a browser (CORS); none by default.
+    cors_origin: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("task_dir", "input_root", mode="before")
     @classmethod
@@ -132,7 +158,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"--agent-sandbox {name!r}: give bwrap, docker, local or 'package.module:factory'")
         return list(dict.fromkeys(value))
 
-    @field_validator("allow_url", mode="before")
+    @field_validator("allow_url", "allowed_host", "cors_origin", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:
         # URLs contain ':', so the environment form separates them with commas or whitespace

@@ -27,6 +27,7 @@ import orjson
 import tenacity
 
 from rollout_buffer.wire import packed_read
+from rollout_buffer.wire.schema import MAX_WAIT_S
 from slime_adapter.auth import BufferAuthError, auth_headers
 from slime_adapter.settings import READ_FORMAT_ENV, READ_FORMATS, AgentRolloutSettings
 
@@ -237,7 +238,7 @@ def long_poll_wait_s(timeout: float) -> float:
     at most 5 s, never more than half), so the server answers "nothing ready" before the client gives
     up on the connection; the server's blocking wait can overshoot `wait_s` by ~0.1 s."""
     margin = min(5.0, max(1.0, timeout * 0.2), timeout / 2)
-    return max(0.0, timeout - margin)
+    return min(MAX_WAIT_S, max(0.0, timeout - margin))  # the buffer refuses a longer wait
 
 
 def read_format_default() -> str:

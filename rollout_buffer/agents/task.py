@@ -39,6 +39,7 @@ Prepare = Callable[[Sandbox, dict[str, Any], dict[str, str], AgentConfig], Await
 Command = Callable[[dict[str, Any], dict[str, str], AgentConfig], list[str]]
 INFRASTRUCTURE_ERROR = "sandbox_error"
 _configs: dict[str, AgentConfig] = {}
+MAX_CACHED_CONFIGS = 64
 _slots: dict[str, asyncio.Semaphore] = {}
 _pools: dict[str, SandboxPool] = {}
 
@@ -54,9 +55,9 @@ class StepFailed(Exception):
 def config_of(options: dict[str, Any], server: ServerFacts) -> AgentConfig:
     key = json.dumps([options.get("agent"), server.agent_sandboxes, server.input_roots], sort_keys=True, default=str)
     if key not in _configs:
+        if len(_configs) >= MAX_CACHED_CONFIGS:  # one per run's options: the oldest go first
+            del _configs[next(iter(_configs))]
         _configs[key] = parse(options, server)
-        while len(_configs) > 256:
-            _configs.pop(next(iter(_configs)))
     return _configs[key]
 
 
@@ -128,6 +129,11 @@ def make_rollout(*, prepare: Prepare | None = None, command: Command | None = No
             return await _run(sample, ctx, config, steps)
 
     return rollout
+
+
+def release_run(run_id: str) -> None:
+    """The run's rollouts are over in this process: drop its concurrency slots (the worker calls this)."""
+    _slots.pop(run_id, None)
 
 
 def _slot(run_id: str, limit: int | None) -> Any:

@@ -13,10 +13,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry
 
 from rollout_buffer import __version__
 from rollout_buffer.api.bodies import install_openapi
+from rollout_buffer.api.body_limits import BodyLimits
+from rollout_buffer.api.browser_guard import BrowserGuard, default_hosts
 from rollout_buffer.api.errors import BodySizeLimit, install_error_handlers
 from rollout_buffer.api.replicated_answers import ReplicatedAnswers
 from rollout_buffer.api.fast_write import FastWrite
@@ -136,10 +139,16 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     app.add_middleware(FastWrite)
     # around every route: an answer that acknowledges state waits for the replicas first (`store.acks`)
     app.add_middleware(ReplicatedAnswers)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, limits=BodyLimits.from_settings(settings))
     app.add_middleware(SessionKeyScope)  # an agent's session key opens the gateway's paths only
     token = settings.resolved_auth_token()
-    if token is not None:  # outermost: a request without the token is refused before its body is read
+    if token is not None:  # a request without the token is refused before its body is read
         app.add_middleware(BearerAuth, token=token)
         install_redaction()  # /?token=... and capability URLs stay out of the access log (and every other)
+    if settings.cors_origin:  # no CORS headers at all unless origins are configured
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origin, allow_methods=["*"],
+                           allow_headers=["*"])
+    # outermost: a foreign Host, a cross-origin page or a non-JSON body is refused before anything else
+    app.add_middleware(BrowserGuard, allowed_hosts=settings.allowed_host or default_hosts(settings.host),
+                       cors_origins=settings.cors_origin)
     return app

@@ -5,17 +5,24 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from rollout_buffer.wire.strict import StrictBody
 
 CallbackStatus = Literal["COMPLETED", "ERROR"]
 # `rb:remote:index` shares the `rb:remote:` prefix with the per-rollout hashes, so this id is reserved.
 RESERVED_IDS = frozenset({"index"})
 
 
-class InitRequest(BaseModel):
-    """`POST /init`: drive one rollout against the trainer's own chat endpoint."""
+class InitRequest(StrictBody):
+    """`POST /init`: drive one rollout against the trainer's own chat endpoint. Other fields are refused,
+    except those the protocol's trainers send that this server does not read (`ACCEPTED_UNREAD`)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # the remote-rollout protocol's own examples send these: credentials for a tool server, its own
+    # sampling and turn limits (this server's are `sampling_params` and the task's)
+    ACCEPTED_UNREAD = frozenset({"api_key", "completion_params", "tool_server_url", "max_turns", "max_tokens_total",
+                                 "tokenizer_revision"})
 
     rollout_id: str = Field(min_length=1, max_length=512)
     server_url: str = Field(min_length=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,4 +86,19 @@ def load(spec: str) -> GroupFilter:
     function = getattr(module, name, None)
     if not callable(function):
         raise GroupFilterError(f"module {module_name!r} has no function {name!r}")
+    if not takes_group_arguments(function):
+        raise GroupFilterError(f"{spec!r} is not a group filter: it must take (group, min_valid_group_size, "
+                               "task_type), slime's is_valid_group signature")
     return GroupFilter(spec, function)
+
+
+def takes_group_arguments(function: Callable[..., Any]) -> bool:
+    """Whether `function` takes exactly the three positional arguments a filter is called with (named
+    parameters, not `*args`; any further ones have defaults). Refuses `os.system` and the like."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required_keywords = [p for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    return len(positional) >= 3 and not required_keywords and all(p.default is not p.empty for p in positional[3:])

@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 # Fields that do not change what a run produces, so they do not change its id.
 _NOT_IDENTITY = {"skip_instance_ids", "skip_groups", "remote_buffer_url", "remote_engine_url", "num_process",
                  "run_id", "activate", "policy_version", "rollout_batch_size"}
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+# no leading '.': `.` and `..` are not run ids (they name folders wherever a run id becomes a path)
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}$")
 
 
 class StartRolloutError(ValueError):
@@ -119,8 +120,9 @@ def validate_start(request: StartRolloutRequest, registry: TaskRegistry,
     if task is None:
         known = ", ".join(sorted(registry.tasks)) or "none"
         raise StartRolloutError("task_type", f"unknown task_type {request.task_type!r} (known: {known})")
-    if request.run_id is not None and not _RUN_ID_RE.match(request.run_id):
-        raise StartRolloutError("run_id", "must be 1-128 characters of letters, digits, '_', '.', '-'")
+    if request.run_id is not None and not RUN_ID_RE.match(request.run_id):
+        raise StartRolloutError("run_id", "must be 1-128 characters of letters, digits, '_', '.', '-', not starting "
+                                         "with '.'")
     access = access or AccessPolicy(roots=(Path.cwd().resolve(),))
     try:
         request.input_file = access.input_file(request.input_file)
@@ -141,7 +143,7 @@ def activates(request: StartRolloutRequest) -> bool:
     value = (request.model_extra or {}).get("activate", True)
     if isinstance(value, str):
         return value.strip().lower() not in ("0", "false", "no")
-    return bool(value)
+    return bool(value)  # `rollout_buffer.runs.start_fields` refused anything but a boolean at the start
 
 
 def check_input_lines(request: StartRolloutRequest, task: TaskModule, server: ServerFacts | None = None) -> None:

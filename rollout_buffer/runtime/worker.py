@@ -279,6 +279,7 @@ class WorkerPool:
 
     async def _serve(self, run_id: str) -> None:
         over = False  # the run's loops ended because the run was no longer running
+        handle: RunHandle | None = None
         try:
             if (await self.store.run_meta(run_id)).get("status") != "running":
                 return
@@ -305,6 +306,9 @@ class WorkerPool:
         finally:
             self._runs.pop(run_id, None)
             self._tasks.pop(run_id, None)
+            release = handle.task.hook("release_run") if handle is not None else None
+            if release is not None:  # the task's per-run state in this process (agent slots)
+                release(run_id)
             if not self._runs:  # idle now: give the rollouts' freed heap back (the next run starts lean)
                 release_free_heap()
         # New jobs may have reopened the run just as its loops ended: their announcement found this run

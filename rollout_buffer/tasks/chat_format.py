@@ -63,7 +63,7 @@ def parse_call_json(body: str) -> tuple[str, dict[str, Any], str | None] | None:
     """
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a model's output nested thousands deep
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -73,7 +73,7 @@ def parse_call_json(body: str) -> tuple[str, dict[str, Any], str | None] | None:
     if written is not None:
         try:
             args = json.loads(written)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if args is None:
         args = {}

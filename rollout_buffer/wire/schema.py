@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollout_buffer.wire.strict import StrictBody
+
 RecordStatus = Literal["completed", "truncated", "aborted", "failed"]
 TOKEN_ID_MAX = 2**31 - 1  # ids are stored as int32
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
@@ -231,21 +233,22 @@ class StartRolloutRequest(BaseModel):
 
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
+# A long poll holds a connection at most this long; a lease is at least a second (documented in the README).
+MAX_WAIT_S = 60.0
+MIN_LEASE_S = 1.0
 
 
-class GetRolloutDataRequest(BaseModel):
+class GetRolloutDataRequest(StrictBody):
     """Body of `/get_rollout_data`: `{}` reads every ready group (slime's semantics: handed over at once).
 
     `lease_s` leases the batch instead: its groups stay stored until acknowledged (`ack` here, or
     `POST /ack`), and reading again with the same `batch_id` returns the same batch (a retry after a lost
     answer). A reader that sends no `batch_id` gets a new one in `meta_info.batch_id`."""
 
-    model_config = ConfigDict(extra="allow")
-
     num: int | None = Field(default=None, ge=1)
-    wait_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    wait_s: float = Field(default=0.0, ge=0.0, le=MAX_WAIT_S)
     run_id: str | None = None
-    lease_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
+    lease_s: float | None = Field(default=None, ge=MIN_LEASE_S, le=86_400.0)
     batch_id: str | None = Field(default=None, pattern=BATCH_ID_PATTERN)
     ack: list[Annotated[str, Field(pattern=BATCH_ID_PATTERN)]] = Field(default_factory=list, max_length=1000)
     # The trainer's policy version (slime: the rollout id): recorded as the run's, and what this read's
@@ -259,7 +262,7 @@ class GetRolloutDataRequest(BaseModel):
         return self
 
 
-class AckRequest(BaseModel):
+class AckRequest(StrictBody):
     """Body of `/ack`: the leased batches whose samples the trainer now holds."""
 
     batch_id: str | None = Field(default=None, pattern=BATCH_ID_PATTERN)
@@ -277,7 +280,7 @@ class AckRequest(BaseModel):
 MAX_BATCH_RECORDS = 10_000
 
 
-class BatchWriteRequest(BaseModel):
+class BatchWriteRequest(StrictBody):
     """Body of `/buffer/write_batch`: many records of one run in one request."""
 
     records: list[TrajectoryRecord] = Field(min_length=1, max_length=MAX_BATCH_RECORDS)
@@ -285,7 +288,7 @@ class BatchWriteRequest(BaseModel):
 
 
 
-class PolicyVersionRequest(BaseModel):
+class PolicyVersionRequest(StrictBody):
     """Body of `/policy_version`: the trainer's policy version, for trainers that do not send it with
     their reads. `abort_in_flight` aborts the engine's in-flight generations (they continue under the new
     version, recorded per turn)."""

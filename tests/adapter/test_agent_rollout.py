@@ -140,7 +140,7 @@ def test_a_step_slower_than_its_lease_keeps_its_groups(server: ServerProcess, in
                                                        slime_data_buffer: Any) -> None:
     """The trainer side takes several lease lengths to take in a batch (here: a data buffer that blocks until
     released): the adapter renews the lease in the background, so no other read gets the held group."""
-    args = slime_args(server.url, input_file, agent_rollout_run_id="slow-step", agent_lease_s=0.6,
+    args = slime_args(server.url, input_file, agent_rollout_run_id="slow-step", agent_lease_s=1.0,
                       rollout_batch_size=1, num_rollout=1)  # the last step: acknowledged before it returns
     gate = threading.Event()
 

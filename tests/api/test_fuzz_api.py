@@ -28,6 +28,7 @@ from rollout_buffer.api.app import create_app
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys
 from rollout_buffer.store.embedded import EmbeddedRedis
+from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from rollout_buffer.wire.packed_batch import CONTENT_TYPE
 from tests.support.helpers import REPO, ServerProcess, write_jsonl
 from tests.support.process_tools import wait_for
@@ -69,6 +70,7 @@ class Fuzzed:
     server: ServerProcess
     redis: redis.Redis
     run_id: str
+    session_key: str  # the model endpoints' credential: a session of a gateway run whose engine is unreachable
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +91,18 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
             assert started.status_code == 200, started.text
             # the upkeep loop's first throughput sample creates the run's timeline key; later samples only
             # append to it, so from then on the key count moves only with what requests store
-            wait_for(lambda: client.exists(keys.timeline(run_id)), 30, "the run's first timeline sample")
-            yield Fuzzed(server, client, run_id)
+            gateway_run = f"fuzz-gateway-{uuid.uuid4().hex}"
+            opened = requests.post(f"{server.url}/start_rollout", timeout=60, headers=auth(), json={
+                "task_type": "external", "run_id": gateway_run, "activate": False, "num_repeat_per_sample": 4096,
+                "remote_engine_url": "http://127.0.0.1:9/nowhere", "tokenizer_path": str(qwen_tokenizer_dir("qwen2.5")),
+                "engine_retries": 0, "engine_timeout_s": 1, "sampling_params": {"max_tokens": 8}})
+            assert opened.status_code == 200, opened.text
+            session = requests.post(f"{server.url}/runs/{gateway_run}/sessions", timeout=30, headers=auth(),
+                                    json={"instance_id": "fuzz-agent"})
+            assert session.status_code == 200, session.text
+            for run in (run_id, gateway_run):
+                wait_for(lambda run=run: client.exists(keys.timeline(run)), 30, "the run's first timeline sample")
+            yield Fuzzed(server, client, run_id, session.json()["api_key"])
     finally:
         client.close()
         embedded.stop()
@@ -142,7 +154,10 @@ def fuzz(fuzzed: Fuzzed, method: str, path: str, headers: dict[str, str], exampl
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
 def test_no_route_answers_5xx_and_refusals_store_nothing(fuzzed: Fuzzed, method: str, path: str) -> None:
-    statuses = fuzz(fuzzed, method, path, auth(), EXAMPLES)
+    """The model endpoints (`/v1/...`) are sent with the gateway session's key: their engine is unreachable,
+    so a request that passes every check is answered 429 (the engine busy or down), never 5xx."""
+    credential = {"Authorization": f"Bearer {fuzzed.session_key}"} if path.startswith("/v1/") else auth()
+    statuses = fuzz(fuzzed, method, path, credential, EXAMPLES)
     parameterless = not re.search(r"\{", path) and method == "GET"
     assert len(statuses) >= (1 if parameterless else EXAMPLES), len(statuses)
     assert 401 not in statuses and 403 not in statuses or path in ("/start_rollout", "/init"), \

@@ -18,7 +18,8 @@ def test_the_baselines_live_in_the_bench_server_only(tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "bench", "--workers", "0", module="bench.baseline_server") as bench_server:
         parsed = httpx.post(f"{bench_server.url}/_bench/parse_only", json=record, timeout=10)
         assert parsed.status_code == 200 and parsed.json()["data"] == {"uid": "u0"}
-        raw = httpx.post(f"{bench_server.url}/_bench/read_only", content=b"x" * 100, timeout=10)
+        raw = httpx.post(f"{bench_server.url}/_bench/read_only", content=b"x" * 100, timeout=10,
+                         headers={"content-type": "application/json"})
         assert raw.json()["data"] == {"bytes": 100}
         assert httpx.get(f"{bench_server.url}/health", timeout=10).status_code == 200, "the product app is served"
         assert "/_bench/parse_only" not in httpx.get(f"{bench_server.url}/openapi.json", timeout=10).text

@@ -107,7 +107,7 @@ def test_an_ack_can_ride_on_the_next_read(client: httpx.Client, input_file: Path
 def test_an_expired_lease_puts_its_groups_back_at_the_head(client: httpx.Client, input_file: Path) -> None:
     run_id = new_run(client, input_file, repeats=1)
     fill(client, run_id, ["i0", "i1"], 1)
-    lost = read(client, run_id, num=1, lease_s=0.3)["data"]["meta_info"]["batch_id"]
+    lost = read(client, run_id, num=1, lease_s=1)["data"]["meta_info"]["batch_id"]
     fill(client, run_id, ["i2"], 1)
     wait_for(lambda: detail(client, run_id)["leases"]["lease_expired"] == 1, 10.0,
              "the upkeep loop (every 1 s) ended the run-out lease")
@@ -127,7 +127,7 @@ def _expire(client: httpx.Client, run_id: str, count: int) -> None:
 def test_a_late_ack_is_accepted_when_nobody_read_the_groups_since(client: httpx.Client, input_file: Path) -> None:
     run_id = new_run(client, input_file, repeats=1)
     fill(client, run_id, ["i0", "i1", "i2"], 1)
-    slow = read(client, run_id, num=2, lease_s=0.3)["data"]["meta_info"]
+    slow = read(client, run_id, num=2, lease_s=1)["data"]["meta_info"]
     assert slow["finished_group_keys"] == ["0:i0", "0:i1"]
     _expire(client, run_id, 1)
     assert detail(client, run_id)["groups"]["ready"] == 3, "the expired groups went back to the ready list"
@@ -149,9 +149,9 @@ def test_a_late_ack_is_refused_when_another_lease_took_the_groups(client: httpx.
     list again, untouched since B: B may still ack late, A may not (B may have trained it)."""
     run_id = new_run(client, input_file, repeats=1)
     fill(client, run_id, ["i0"], 1)
-    first = read(client, run_id, lease_s=0.3)["data"]["meta_info"]["batch_id"]
+    first = read(client, run_id, lease_s=1)["data"]["meta_info"]["batch_id"]
     _expire(client, run_id, 1)
-    second = read(client, run_id, lease_s=0.3)["data"]["meta_info"]
+    second = read(client, run_id, lease_s=1)["data"]["meta_info"]
     assert second["finished_group_keys"] == ["0:i0"]
     _expire(client, run_id, 2)
     refused = client.post("/ack", json={"run_id": run_id, "batch_id": first}).json()
@@ -188,7 +188,7 @@ def test_a_renewed_lease_keeps_its_groups(client: httpx.Client, input_file: Path
 def test_an_expired_lease_nobody_took_can_be_renewed(client: httpx.Client, input_file: Path) -> None:
     run_id = new_run(client, input_file, repeats=1)
     fill(client, run_id, ["i0"], 1)
-    held = read(client, run_id, lease_s=0.3)["data"]["meta_info"]["batch_id"]
+    held = read(client, run_id, lease_s=1)["data"]["meta_info"]["batch_id"]
     _expire(client, run_id, 1)
     renewed = client.post("/ack", json={"run_id": run_id, "batch_id": held, "renew": True}).json()
     assert renewed["data"]["results"][0]["outcome"] == "renewed"

@@ -109,7 +109,7 @@ def test_a_trained_group_back_from_a_lease_that_ran_out_is_never_read_again(clie
     its step count fixed, never trained two others)."""
     run_id = new_run(client, input_file)
     fill(client, run_id, ["i0", "i1", "i2"], 1)
-    lost = read(client, run_id, num=2, lease_s=0.2)["data"]["meta_info"]
+    lost = read(client, run_id, num=2, lease_s=1)["data"]["meta_info"]
     assert lost["finished_group_keys"] == ["0:i0", "0:i1"]
     # the lease runs out and the buffer's sweep (every second) puts its groups back in the ready list
     wait_for(lambda: detail(client, run_id)["leases"]["lease_expired"] == 1, 10, "the lease expired")

@@ -160,6 +160,22 @@ class Gateway:
             self._contexts[run_id] = ctx
             return ctx
 
+    async def forget_ended_runs(self) -> list[str]:
+        """Drop the cached context and lock of every run that is no longer running (finished, failed,
+        superseded, deleted), so a server that sees thousands of runs holds nothing for the ended ones; a
+        later use rebuilds them. Returns the run ids dropped."""
+        ended = []
+        for run_id in list(self._contexts.keys() | self._locks.keys()):
+            lock = self._locks.get(run_id)
+            if lock is not None and lock.locked():
+                continue  # being built right now
+            if (await self.store.run_meta(run_id)).get("status") != "running":
+                ended.append(run_id)
+        for run_id in ended:
+            self._contexts.pop(run_id, None)
+            self._locks.pop(run_id, None)
+        return ended
+
     def engine_client(self, ctx: RunContext, session_id: str) -> GenerateClient:
         """A `/generate` client for one turn, pinned to the session (`X-SMG-Routing-Key`)."""
         opts = ctx.options

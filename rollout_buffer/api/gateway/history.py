@@ -14,10 +14,11 @@ then the message is not the one generated, and the request forks.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import orjson
+
+from rollout_buffer.api.gateway.json_limits import loads_or_raw
 
 DIGEST_BYTES = 16
 UNVERIFIED = "reasoning_unverified"  # set on an assistant message whose echoed reasoning failed its signature
@@ -35,12 +36,7 @@ def _text(content: Any) -> Any:
 
 
 def _arguments(raw: Any) -> Any:
-    if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw
-    return raw
+    return loads_or_raw(raw) if isinstance(raw, str) else raw
 
 
 def canonical(message: dict[str, Any]) -> bytes:

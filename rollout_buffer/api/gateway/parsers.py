@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_buffer.api.gateway.json_limits import loads_or_raw, loose_json
 from rollout_buffer.tasks.chat_format import parse_call_json, split_reasoning, strip_end_markers
 
 
@@ -79,10 +80,7 @@ _CODER_PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DO
 
 
 def _loose_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
+    return loads_or_raw(raw)
 
 
 def qwen3_coder(text: str) -> tuple[str, list[Call], int]:
@@ -107,10 +105,7 @@ def deepseekv3(text: str) -> tuple[str, list[Call], int]:
     for block in _DS_CALLS.finditer(text):
         found = []
         for one in _DS_ONE.finditer(block.group(1)):
-            try:
-                args = json.loads(one.group(2))
-            except ValueError:
-                args = None
+            args = loose_json(one.group(2))
             found.append((one.group(1).strip(), args) if isinstance(args, dict) else None)
         if not found or any(c is None for c in found):
             malformed += 1

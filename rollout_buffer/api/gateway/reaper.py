@@ -1,7 +1,7 @@
 """Idle sessions finish as failed, so their groups never hang: every API process sweeps every live
 external run's open sessions; a session idle past `--session-timeout-s` is written as a `failed` record
 (reward 0, counted as `gateway_sessions_timed_out`). Processes racing on one session store it once
-(the record's uid is the session id)."""
+(the record's uid is the session id). Each sweep also drops the cached contexts of runs that ended."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ async def reap_once(gw: Gateway) -> int:
     """Finish every idle session of every live external run; returns how many."""
     reaped = 0
     cutoff = time.time() - gw.settings.session_timeout_s
+    await gw.forget_ended_runs()
     for run_id in await retention.running_runs(gw.store):
         meta = await gw.store.run_meta(run_id)
         if meta.get("task_type") != TASK_TYPE:

@@ -12,13 +12,16 @@ and falls back to the full history when it does not hold.
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import json
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from rollout_buffer.api.gateway.json_limits import loads_or_raw
 from rollout_buffer.runtime.prompt_tokens import PromptTokens
 
 log = logging.getLogger(__name__)
@@ -52,12 +55,7 @@ def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def template_arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
+    return loads_or_raw(arguments) if isinstance(arguments, str) else arguments
 
 
 def _stand_in(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,6 +77,15 @@ def check_short_history(tokenizer: Any) -> bool:
     except Exception as exc:  # noqa: BLE001 - a template that cannot render the probe: stay exact, render it all
         log.warning("short-history rendering self-check failed (%s); rendering whole histories", exc)
         return False
+
+
+_RENDER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="gateway-render")
+
+
+async def render_off_loop(render: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
+    """Run a render (template and tokenizer, seconds for a long conversation) in the gateway's render
+    thread, so the event loop keeps answering (`/health`, other sessions) meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(_RENDER_THREAD, render, *args)
 
 
 class Renderer:

@@ -7,19 +7,22 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from rollout_buffer.api.bodies import json_body
 from rollout_buffer.api.gateway import wire_openai
 from rollout_buffer.api.gateway.errors import GatewayError, error_body, error_response, open_session
+from rollout_buffer.api.gateway.schemas import ChatCompletionsBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.gateway.wire_fields import CHAT_IGNORED, CHAT_READ, ignored_fields
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
-# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
-router = APIRouter(tags=["gateway"], include_in_schema=False)
+# the vendors' own protocols (their SDKs are the clients), documented in this API's schema by the fields the
+# gateway reads (`schemas`), so /docs shows them and the schema fuzzer covers them
+router = APIRouter(tags=["gateway"])
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionsBody))
 async def chat_completions(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:

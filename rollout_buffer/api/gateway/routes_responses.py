@@ -7,9 +7,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from rollout_buffer.api.bodies import json_body
 from rollout_buffer.api.gateway import wire_responses
 from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_response, open_session
 from rollout_buffer.api.gateway.records import conversation
+from rollout_buffer.api.gateway.schemas import ResponsesBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
 from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
@@ -17,8 +19,9 @@ from rollout_buffer.api.gateway.wire_fields import RESPONSES_IGNORED, RESPONSES_
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
-# the vendors' own protocols (their SDKs are the clients), so not in this API's OpenAPI schema
-router = APIRouter(tags=["gateway"], include_in_schema=False)
+# the vendors' own protocols (their SDKs are the clients), documented in this API's schema by the fields the
+# gateway reads (`schemas`), so /docs shows them and the schema fuzzer covers them
+router = APIRouter(tags=["gateway"])
 
 
 async def _history(opened: Opened, body: wire_responses.ResponsesRequest) -> list[dict[str, Any]]:
@@ -47,7 +50,7 @@ def _stream_error(exc: GatewayError) -> tuple[str, dict[str, Any]]:
                      "sequence_number": 0}
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=json_body(ResponsesBody))
 async def responses(request: Request) -> Any:
     raw = await request.body()  # first: an oversize body is 413 whatever else is wrong
     try:

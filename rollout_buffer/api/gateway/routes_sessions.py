@@ -7,8 +7,10 @@ import math
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
+from rollout_buffer.api import idempotency
+from rollout_buffer.api.gateway import session_caps
 from rollout_buffer.api.bodies import json_body, parse_body_with
 from rollout_buffer.security import session_keys as keys_auth
 from rollout_buffer.api.gateway.errors import RETRY_AFTER_S, gateway_of
@@ -16,13 +18,12 @@ from rollout_buffer.api.gateway.records import finish_session
 from rollout_buffer.store.sessions import AdmissionClosed
 from rollout_buffer.api.errors import error_response
 from rollout_buffer.wire.schema import RecordStatus
+from rollout_buffer.wire.strict import StrictBody
 
 router = APIRouter(tags=["gateway"])
 
 
-class CreateSession(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CreateSession(StrictBody):
     instance_id: str = Field(min_length=1, max_length=512)
     epoch: int | None = Field(default=None, ge=0, le=1_000_000)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -33,7 +34,7 @@ class CreateSession(BaseModel):
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-class FinishSession(BaseModel):
+class FinishSession(StrictBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     reward: float
@@ -54,7 +55,8 @@ def base_url(request: Request) -> str:
 
 @router.post("/runs/{run_id}/sessions")
 async def create_session(run_id: str, body: CreateSession, request: Request) -> Any:
-    """Open a session of an external run: its API key opens the model endpoints for this session only."""
+    """Open a session of an external run: its API key opens the model endpoints for this session only. With an
+    `Idempotency-Key` header, a retry gets the session the first request created (never a second one)."""
     gw = gateway_of(request)
     config = await gw.store.run_config(run_id)
     external = bool(config) and config.get("task_type") == "external" and not config.get("input_file")
@@ -68,15 +70,34 @@ async def create_session(run_id: str, body: CreateSession, request: Request) -> 
         return error_response(409, f"run {run_id!r} is {status}: it takes no new sessions")
     session_id = keys_auth.new_session_id(run_id)
     api_key, digest = keys_auth.new_key(session_id)
-    try:
-        session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
-                                           group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
-    except AdmissionClosed as exc:
-        await gw.store.incr_stat(run_id, "gateway_sessions_deferred")
-        answer = error_response(429, str(exc))
-        answer.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return answer
-    await gw.store.incr_stat(run_id, "gateway_sessions_created")
+    session = None
+    try:  # a retry with the first request's key takes the first request's session (created or not yet)
+        key = idempotency.key_of(request.headers)
+        if key is not None:
+            facts = await idempotency.claim(gw.store.redis, f"session\x00{run_id}", key,
+                                            idempotency.request_digest(body.model_dump(mode="json")),
+                                            {"session_id": session_id, "api_key": api_key})
+            session_id, api_key = facts["session_id"], facts["api_key"]
+            digest = keys_auth.digest(api_key.rpartition(".")[2])
+            session = await gw.sessions.get(run_id, session_id)
+    except ValueError as exc:  # a malformed key, or one used for another body (KeyReused)
+        return error_response(422 if isinstance(exc, idempotency.KeyReused) else 400, str(exc))
+    if session is None:
+        crowded = await session_caps.check_open_sessions(gw, run_id)
+        if crowded is not None:
+            await gw.store.incr_stat(run_id, "gateway_sessions_refused_open_cap")
+            answer = error_response(crowded.status, crowded.message)
+            answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return answer
+        try:
+            session = await gw.sessions.create(run_id, session_id, instance_id=body.instance_id, epoch=body.epoch,
+                                               group_size=ctx.group_size, key_digest=digest, metadata=body.metadata)
+        except AdmissionClosed as exc:
+            await gw.store.incr_stat(run_id, "gateway_sessions_deferred")
+            answer = error_response(429, str(exc))
+            answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return answer
+        await gw.store.incr_stat(run_id, "gateway_sessions_created")
     base = base_url(request)
     return {"session_id": session_id, "api_key": api_key, "openai_base_url": f"{base}/v1",
             "anthropic_base_url": base, "expires_at": session.created_at + gw.settings.session_timeout_s,

@@ -21,7 +21,9 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from rollout_buffer.api.gateway.constraints import NONE, Constraint
+from rollout_buffer.api.gateway import session_caps
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
+from rollout_buffer.api.gateway.json_limits import arguments_problem
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
 from rollout_buffer.tasks.contract import HistoryRewriteError
@@ -31,15 +33,39 @@ GRACE_S = 0.5
 KEEPALIVE_S = 5.0
 Event = tuple[str | None, Any]
 _running: set[asyncio.Task[TurnAnswer]] = set()  # turns whose client went away, finishing to be stored
+MAX_CHARS_PER_TOKEN = 16  # no tokenizer packs more text than this into one token, but for degenerate text
+
+
+def text_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of the messages' text and tool-call arguments (what the template renders)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        total += len(content) if isinstance(content, str) else 0
+        for call in message.get("tool_calls") or ():
+            arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+            total += len(arguments) if isinstance(arguments, str) else 0
+    return total
 
 
 async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       params: dict[str, Any], constraint: Constraint = NONE) -> TurnAnswer:
     """One turn, its failures as GatewayError: 400 a request it cannot render, 429 (Retry-After) the engine
     full or unreachable after retries, 502 the engine refusing."""
+    problem = arguments_problem(messages)  # before any JSON of the history is parsed again
+    if problem is not None:
+        raise GatewayError(400, f"{problem[0]}: {problem[1]}", problem[0])
+    limit = opened.gateway.settings.max_prompt_tokens
+    if text_chars(messages) > limit * MAX_CHARS_PER_TOKEN:  # before the render: far too long to fit
+        raise GatewayError(400, f"the conversation is {text_chars(messages)} characters, more than the "
+                                f"{limit * MAX_CHARS_PER_TOKEN} a prompt of --max-prompt-tokens {limit} can hold",
+                           "messages")
+    session_caps.check_session(await session_caps.usage(opened.gateway, opened.session), opened.gateway.settings)
     try:
-        return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools,
-                              {**params, **constraint.params()}, call_array=constraint.calls)
+        answer = await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools,
+                                {**params, **constraint.params()}, call_array=constraint.calls)
+        await session_caps.account(opened.gateway, opened.session, answer)
+        return answer
     except SessionClosed as exc:
         raise GatewayError(404, str(exc)) from exc
     except TurnRequestError as exc:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rollout_buffer.api.gateway import history
+from rollout_buffer.api.gateway.rendering import render_off_loop
 from rollout_buffer.api.gateway.context import Gateway, RunContext
 from rollout_buffer.store.session_turns import Node
 from rollout_buffer.api.gateway.parsers import ParsedOutput
@@ -147,10 +148,14 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
         fork = "rewind"
     elif parent is None and count > 0:
         fork = await _fork_reason(gw, session, count, messages, tools)
-    if parent is None:
-        prompt = ctx.renderer.first(messages, tools)
+    if parent is None:  # rendering and tokenizing off the event loop (one thread: one tokenizer user at a time)
+        prompt = await render_off_loop(ctx.renderer.first, messages, tools)
     else:
-        prompt = ctx.renderer.extend(parent.prompt_ids, parent.output_ids, messages[:cut - 1], new, tools)
+        prompt = await render_off_loop(ctx.renderer.extend, parent.prompt_ids, parent.output_ids,
+                                       messages[:cut - 1], new, tools)
+    if len(prompt) > gw.settings.max_prompt_tokens:
+        raise TurnRequestError("messages", f"messages: the prompt is {len(prompt)} tokens, more than "
+                                           f"--max-prompt-tokens {gw.settings.max_prompt_tokens}")
     client = gw.engine_client(ctx, sid)
     # engine request ids: unique per call (a retry after a killed process may meet its first attempt still in
     # the engine), readable in the engine's logs

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer.api.gateway.errors import GatewayError
+from rollout_buffer.api.gateway.json_limits import MAX_BODY_DEPTH, value_depth
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -17,6 +18,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
         raise GatewayError(400, f"malformed JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
+    if value_depth(body) > MAX_BODY_DEPTH:  # the chat template's `tojson` recurses over what it renders
+        raise GatewayError(400, f"the request body nests deeper than {MAX_BODY_DEPTH} levels")
     return body
 
 

@@ -150,7 +150,7 @@ def turn_of(response: str, session_id: str) -> int | None:
     """The turn a `previous_response_id` of this session names, or None."""
     prefix = f"resp_{session_id.rpartition('~')[2]}_"
     tail = response[len(prefix):] if response.startswith(prefix) else ""
-    return int(tail) if tail.isdecimal() else None
+    return int(tail) if tail.isascii() and tail.isdigit() and len(tail) <= 9 else None  # no int() of 5,000 digits
 
 
 def output_items(answer: TurnAnswer, request: ResponsesRequest) -> list[dict[str, Any]]:

@@ -6,12 +6,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from rollout_buffer.api import idempotency
 from rollout_buffer.api.errors import error_response
 from rollout_buffer.api.routes.writes import missing_run_answer
 from rollout_buffer.api.state import state_of
 from rollout_buffer.metrics.failures import failure_summary
 from rollout_buffer.runs import retention
 from rollout_buffer.runs.lifecycle import StartRolloutError, start_run
+from rollout_buffer.runs.start_fields import check_start_fields
 from rollout_buffer.runtime.jobqueue import JobQueue
 from rollout_buffer.security.outbound import own_base_url
 from rollout_buffer.store import handover
@@ -22,9 +24,31 @@ router = APIRouter()
 
 @router.post("/start_rollout")
 async def start_rollout(body: StartRolloutRequest, request: Request) -> Any:
-    """Start a run (or find the same one already running) and launch its rollouts."""
+    """Start a run (or find the same one already running) and launch its rollouts. With an `Idempotency-Key`
+    header, a retry answers what the first request answered."""
     state = state_of(request)
-    if body.task_type == "external" and (not body.input_file or state.registry.get("external") is None):
+    try:  # a retry with the first request's Idempotency-Key gets the first answer
+        key = idempotency.key_of(request.headers)
+        digest = idempotency.request_digest(body.model_dump(mode="json"))
+        first = await idempotency.recall(state.store.redis, "start", key, digest) if key is not None else None
+    except ValueError as exc:
+        return error_response(422 if isinstance(exc, idempotency.KeyReused) else 400, str(exc))
+    if first is not None:
+        return first
+    answer = await _start(body, request)
+    if key is not None and isinstance(answer, dict):
+        await idempotency.remember(state.store.redis, "start", key, digest, answer)
+    return answer
+
+
+async def _start(body: StartRolloutRequest, request: Request) -> Any:
+    state = state_of(request)
+    external = body.task_type == "external" and (not body.input_file or state.registry.get("external") is None)
+    try:
+        check_start_fields(body, state.registry.get(body.task_type), external)
+    except StartRolloutError as exc:
+        return error_response(exc.status_code, str(exc), [{"field": exc.field, "message": str(exc)}])
+    if external:
         try:  # the agent gateway's run: sessions come from clients (rollout_buffer.api.gateway)
             run_id, created = await request.app.state.gateway.start_run(body)
         except StartRolloutError as exc:
