@@ -31,10 +31,10 @@ REWARD_BINS = 10
 RECORD_READ = ONCE_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'deleted' then return 0 end
-if not first_call(KEYS[4]) then return 0 end  -- this call, re-sent by the client library: logged already
+if not first_call(KEYS[4], ARGV[3]) then return 0 end  -- this call, re-sent by the client library: logged already
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('LTRIM', KEYS[3], -tonumber(ARGV[2]), -1)
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
 end
 return 1
@@ -106,11 +106,11 @@ async def record_read(store: Store, run_id: str, batch: ReadBatch, records: list
         return
     summary, counters = summarize(batch, records, meta, time.time())
     script = store.redis.register_script(RECORD_READ)
-    args: list[Any] = [orjson.dumps(summary, option=orjson.OPT_SERIALIZE_NUMPY), MAX_READS]
+    args: list[Any] = [orjson.dumps(summary, option=orjson.OPT_SERIALIZE_NUMPY), MAX_READS, new_token()]
     for name, amount in counters.items():
         args.extend((name, amount))
     await script(keys=[keys.run_meta(run_id), keys.stats(run_id), keys.read_log(run_id),
-                       keys.once(run_id, new_token())], args=args)
+                       keys.once(run_id)], args=args)
 
 
 async def recent_reads(store: Store, run_id: str, count: int = 200) -> list[dict[str, Any]]:

@@ -96,7 +96,7 @@ end
 local old = redis.call('HGET', KEYS[1], ARGV[1]) or 'queued'
 """
 
-# KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream 8 gstarted 9 this call's marker.
+# KEYS: 1 taskstate 2 stats 3 meta 4 attempts 5 skip 6 samples 7 tasks stream 8 gstarted 9 once.
 # ARGV: 1 job id 2 instance id 3 now 4 entry id 5 consumer group 6 group id ("epoch:instance_id")
 #       7 the job's group generation.
 # A delivered job: its run gone or retired -> ack; already finished -> ack; group trained already
@@ -124,7 +124,7 @@ if redis.call('HGET', KEYS[8], ARGV[6]) ~= ARGV[7] then
   redis.call('HSET', KEYS[8], ARGV[6], ARGV[7])
   redis.call('HINCRBY', KEYS[2], 'groups_started', 1)
 end
-if not first_call(KEYS[9]) then  -- this very call, re-sent: it started the job already
+if not first_call(KEYS[9], ARGV[8]) then  -- this very call, re-sent: it started the job already
   return {'queued', tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '1'), redis.call('HGET', KEYS[6], ARGV[2])}
 end
 local attempts = redis.call('HINCRBY', KEYS[4], ARGV[1], 1)
@@ -354,8 +354,8 @@ class JobQueue:
             self._start,
             [keys.task_state(run_id), keys.stats(run_id), keys.run_meta(run_id), keys.attempts(run_id),
              keys.skip(run_id), keys.samples(run_id), self.stream, keys.group_started(run_id),
-             keys.once(run_id, new_token())],
-            [job.job_id, job.instance_id, _now(), job.entry_id, keys.WORKER_GROUP, job.gid, job.gen],
+             keys.once(run_id)],
+            [job.job_id, job.instance_id, _now(), job.entry_id, keys.WORKER_GROUP, job.gid, job.gen, new_token()],
         ))
         previous = _text(previous)
         # gone: run deleted or retired; deferred: admission is full

@@ -177,7 +177,7 @@ async def extend_stream(store: Store, run_id: str, groups: int, *, filtered: int
         return 0
     added = int(await store.script("EXTEND_GROUPS", [
         keys.run_meta(run_id), keys.stats(run_id), keys.tasks(run_id), keys.lines(run_id), keys.skip(run_id),
-        keys.closed(run_id), keys.once(run_id, new_token())], [groups, max(filtered, groups)]))
+        keys.closed(run_id), keys.once(run_id)], [groups, max(filtered, groups), new_token()]))
     if added:
         await store.announce_run(run_id)
     return added

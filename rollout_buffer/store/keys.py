@@ -179,10 +179,10 @@ def attempts(run_id: str) -> str:
     return f"{_tag(run_id)}:attempts"
 
 
-def once(run_id: str, token: str) -> str:
-    """The marker of one script call (its token), so the client library's re-send of it changes nothing: set
-    by the call, expiring after `ONCE_TTL_S` (`rollout_buffer.store.once`)."""
-    return f"{_tag(run_id)}:once:{token}"
+def once(run_id: str) -> str:
+    """The tokens of the run's script calls that ran (`rollout_buffer.store.once`): a re-send of one finds its
+    token and changes nothing."""
+    return f"{_tag(run_id)}:once"
 
 
 def run_keys(run_id: str) -> list[str]:
@@ -191,7 +191,7 @@ def run_keys(run_id: str) -> list[str]:
         run_meta, records, uids, gsize, members, pending, ready, closed, handed, skip, leases, lease_data, settled,
         stats, since, since_groups, timed_out, wake, tasks, task_state, samples, attempts, error_examples,
         group_version, group_generation, group_started, lines, read_log, timeline, expired_leases, group_lease,
-        sessions, session_status, session_open, session_seq, session_nodes, session_index)]
+        sessions, session_status, session_open, session_seq, session_nodes, session_index, once)]
 
 
 def replica_barrier(run_id: str) -> str:

@@ -2,20 +2,18 @@
 
 redis-py's cluster client sends a command again when its connection failed under it, so a script whose
 reply was lost may run twice. A script that adds to counters (or extends a stream) takes a fresh token per
-call and a marker key named by it (`keys.once`): its first run sets the marker (`SET NX`, expiring after
-`ONCE_TTL_S`), and a re-send finds it and changes nothing. The marker is in the run's hash slot.
+call, and its first run records the token in the run's `once` hash (`keys.once`, `HSETNX`): a re-send finds
+it and changes nothing. One field per call that counts (a job's start, a read): the hash goes with its run.
 """
 
 from __future__ import annotations
 
 import uuid
 
-ONCE_TTL_S = 3600  # far longer than any re-send: redis-py re-sends within seconds
-
-# Lua: `first_call(marker_key)` is true the first time a call's marker is seen
-ONCE_LUA = f"""
-local function first_call(marker)
-  return redis.call('SET', marker, '1', 'NX', 'EX', {ONCE_TTL_S}) ~= false
+# Lua: `first_call(k_once, token)` is true the first time a call's token is seen
+ONCE_LUA = """
+local function first_call(k_once, token)
+  return redis.call('HSETNX', k_once, token, '1') == 1
 end
 """
 

@@ -80,7 +80,7 @@ end
 # filtered group free admission at once (it is not part of the batch being trained on). Returns groups added.
 EXTEND_GROUPS = STREAM_FUNCTIONS + ONCE_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if not first_call(KEYS[7]) then return 0 end  -- this call, re-sent by the client library: it extended already
+if not first_call(KEYS[7], ARGV[3]) then return 0 end  -- this call, re-sent by the client library: it extended already
 local filtered = tonumber(ARGV[2])
 if filtered > 0 and redis.call('HEXISTS', KEYS[1], 'consumed_before_version') == 1 then
   redis.call('HINCRBY', KEYS[1], 'consumed_before_version', filtered)

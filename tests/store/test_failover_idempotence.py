@@ -166,8 +166,8 @@ async def test_a_job_start_or_finish_sent_twice_counts_once(redis_store: Store) 
     await redis.hset(keys.group_started(run), "0:i0", "0")
     start = redis.register_script(_START)
     call = ([keys.task_state(run), keys.stats(run), keys.run_meta(run), keys.attempts(run), keys.skip(run),
-             keys.samples(run), keys.tasks(run), keys.group_started(run), keys.once(run, "t-start")],
-            [job, "i0", "1", "0-1", "workers", "0:i0", "0"])
+             keys.samples(run), keys.tasks(run), keys.group_started(run), keys.once(run)],
+            [job, "i0", "1", "0-1", "workers", "0:i0", "0", "t-start"])
     first = await start(keys=call[0], args=call[1])
     again = await start(keys=call[0], args=call[1])
     assert int(first[1]) == int(again[1]) == 1, "one attempt counted"
@@ -189,13 +189,13 @@ async def test_a_read_logged_or_a_stream_extended_twice_by_the_client_library_co
     redis = redis_store.redis
     await redis.hset(keys.run_meta(run), mapping={"status": "running", "consumed_before_version": 0})
     record = redis.register_script(RECORD_READ)
-    log_keys = [keys.run_meta(run), keys.stats(run), keys.read_log(run), keys.once(run, "t-read")]
+    log_keys = [keys.run_meta(run), keys.stats(run), keys.read_log(run), keys.once(run)]
     for _ in range(2):
-        await record(keys=log_keys, args=[b"{}", 100, "reads", 1])
+        await record(keys=log_keys, args=[b"{}", 100, "t-read", "reads", 1])
     assert await redis.llen(keys.read_log(run)) == 1 and int(await redis.hget(keys.stats(run), "reads")) == 1
     extend = redis.register_script(EXTEND_GROUPS)
     extend_keys = [keys.run_meta(run), keys.stats(run), keys.tasks(run), keys.lines(run), keys.skip(run),
-                   keys.closed(run), keys.once(run, "t-extend")]
+                   keys.closed(run), keys.once(run)]
     for _ in range(2):
-        await extend(keys=extend_keys, args=[0, 3])
+        await extend(keys=extend_keys, args=[0, 3, "t-extend"])
     assert int(await redis.hget(keys.run_meta(run), "consumed_before_version")) == 3, "freed once, not twice"
