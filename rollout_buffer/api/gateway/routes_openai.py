@@ -13,7 +13,7 @@ from rollout_buffer.api.gateway.errors import GatewayError, error_body, error_re
 from rollout_buffer.api.gateway.schemas import ChatCompletionsBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
 from rollout_buffer.api.gateway.wire_common import json_object
-from rollout_buffer.api.gateway.wire_fields import CHAT_IGNORED, CHAT_READ, ignored_fields
+from rollout_buffer.api.gateway.wire_fields import CHAT_READ, ignored_fields
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
@@ -29,7 +29,7 @@ async def chat_completions(request: Request) -> Any:
         opened = await open_session(request)
         fields = json_object(raw)
         chat = wire_openai.read_request(fields)
-        await count(opened, {**ignored_fields(fields, CHAT_READ, CHAT_IGNORED), **ignored_counters(chat.ignored_tools)})
+        await count(opened, {**ignored_fields(fields, CHAT_READ, "openai"), **ignored_counters(chat.ignored_tools)})
         model = chat.model or opened.ctx.model
         sid = opened.session.session_id
         turn = answer_turn(opened, chat.messages, chat.tools, chat.params, chat.constraint)

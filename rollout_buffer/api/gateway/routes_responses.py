@@ -15,7 +15,7 @@ from rollout_buffer.api.gateway.schemas import ResponsesBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
 from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
-from rollout_buffer.api.gateway.wire_fields import RESPONSES_IGNORED, RESPONSES_READ, ignored_fields
+from rollout_buffer.api.gateway.wire_fields import RESPONSES_READ, ignored_fields
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
 from rollout_buffer.api.responses import OrjsonResponse
 
@@ -57,7 +57,7 @@ async def responses(request: Request) -> Any:
         opened = await open_session(request)
         fields = json_object(raw)
         body = wire_responses.read_request(fields, await signer(opened.gateway.store))
-        await count(opened, {**ignored_fields(fields, RESPONSES_READ, RESPONSES_IGNORED),
+        await count(opened, {**ignored_fields(fields, RESPONSES_READ, "responses"),
                              **ignored_counters(body.toolset.ignored)})
         messages = [*await _history(opened, body), *body.items]
         sid = opened.session.session_id
