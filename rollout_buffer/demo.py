@@ -99,7 +99,7 @@ def _summary(groups: list[list[dict[str, Any]]], seconds: float) -> str:
 
 
 @contextmanager
-def own_server(workdir: Path, tokenizer_path: str) -> Iterator[str]:
+def own_server(workdir: Path, tokenizer_path: str, agents: bool = False) -> Iterator[str]:
     """A `rollout-buffer serve` of the demo's own on a free port (embedded Redis in `workdir`); its URL."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -108,8 +108,8 @@ def own_server(workdir: Path, tokenizer_path: str) -> Iterator[str]:
         server = subprocess.Popen([sys.executable, "-m", "rollout_buffer.cli", "serve", "--port", str(port),
                                    "--data-dir", str(workdir / "data"), "--log-level", "warning",
                                    "--input-root", str(workdir), "--input-root", tokenizer_path,
-                                   # the demo's agent is this package's own script, on this machine
-                                   "--agent-sandbox", "local"],
+                                   # `--agent`: the demo's agent is this package's own script, on this machine
+                                   *(["--agent-sandbox", "local"] if agents else [])],
                                   stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(url, server, 30)
@@ -204,7 +204,7 @@ def run_demo(prompts: int, repeats: int, latency_s: float, timeout_s: float, wor
     with run_engine_in_thread(template="qwen2.5", latency_s=latency_s, seed=1) as engine, ExitStack() as stack:
         if url is None:
             tokenizer_path = str(qwen_tokenizer_dir("qwen2.5"))
-            url = stack.enter_context(own_server(workdir, tokenizer_path))
+            url = stack.enter_context(own_server(workdir, tokenizer_path, agents=agent is not None))
             print(f"no --url given: the demo runs a buffer of its own at {url} (data in {workdir}), stopped "
                   f"when it ends; `rollout-buffer demo --url http://127.0.0.1:8889` runs it against yours")
         else:

@@ -141,8 +141,16 @@ class GatewayAgents:
             with self._lock:
                 self.turns += 1
                 self.answered[session["session_id"]] += 1
-        self._post(client, f"/sessions/{session['session_id']}/finish", {"reward": float(i % 2)}, "finish",
-                   headers={"Authorization": f"Bearer {session['api_key']}"})
+        try:
+            self._post(client, f"/sessions/{session['session_id']}/finish", {"reward": float(i % 2)}, "finish",
+                       headers={"Authorization": f"Bearer {session['api_key']}"})
+        except RuntimeError as exc:
+            if "late_write" not in str(exc):
+                raise
+            # idle past --session-timeout-s after its last turn while the buffer was down (a primary killed
+            # after its replica was paused): the buffer finished it as failed first, as in the 404 case above
+            self.closed.append(session["session_id"])
+            return
         self.finished.append(session["session_id"])
 
     def _chat(self, agent: openai.OpenAI, messages: list[dict[str, Any]]) -> Any:

@@ -34,6 +34,7 @@ from rollout_buffer.api.upkeep import maintain, supervise_embedded
 from rollout_buffer.remote import RemoteService
 from rollout_buffer.runs.lifecycle import Runtime
 from rollout_buffer.security.access import AccessPolicy
+from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.security.auth import BearerAuth, SessionKeyScope
 from rollout_buffer.security.redaction import install_redaction
 from rollout_buffer.settings import Settings
@@ -107,6 +108,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
                   gateway.start(app, store, settings)]
         if embedded is not None and embedded.owner:
             upkeep.append(asyncio.create_task(supervise_embedded(embedded), name="embedded-redis-supervisor"))
+        await signer(store)  # the gateway's signing secret, made at start: no request stores it as a side effect
         tune_gc()
         warn_agent_sandboxes(settings.agent_sandbox)
         log.info("rollout-buffer ready on redis %s%s with tasks %s", display_url(url),
