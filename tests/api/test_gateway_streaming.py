@@ -147,3 +147,21 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_generation(server: Serv
         assert_turns_are_engine_calls(record, calls[1:])  # the aborted generation stored nothing
         stats = _stats(client, run_id)
         assert stats["gateway_turns"] == 1 and stats["gateway_streams_aborted"] == 1
+
+
+def test_a_client_that_leaves_after_its_turn_was_stored_gets_it_replayed(server: ServerProcess,
+                                                                         qwen_tokenizer_path: str) -> None:
+    with run_engine_in_thread(template="qwen2.5", seed=5) as engine, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        run_id = start_external(client, engine.url, qwen_tokenizer_path, repeats=1)
+        session = new_session(client, run_id, "late-leaver")
+        headers = {"Authorization": f"Bearer {session['api_key']}"}
+        body = {"model": "m", "messages": QUESTION}
+        with httpx.stream("POST", f"{session['openai_base_url']}/chat/completions", json={**body, "stream": True},
+                          headers=headers, timeout=30) as response:
+            next(response.iter_lines())  # a fast generation: stored before the client reads its first line
+        retried = httpx.post(f"{session['openai_base_url']}/chat/completions", json=body, headers=headers, timeout=30)
+        assert retried.status_code == 200 and "\\boxed{" in retried.json()["choices"][0]["message"]["content"]
+        stats = _stats(client, run_id)
+        assert stats["gateway_replays"] == 1 and "gateway_streams_aborted" not in stats
+        assert len(engine_calls_of(engine, session["session_id"])) == 1

@@ -2,9 +2,10 @@
 then the deltas of the engine's text (`stream_text`) in the API's shape (`stream_openai`,
 `stream_anthropic`, `stream_responses`), then the finishing events of the stored turn.
 
-A client that goes away before the turn is stored cancels it: its engine call is aborted at the engine
+A client that goes away while its turn generates cancels it: its engine call is aborted at the engine
 (`/abort_request` with its rid), nothing is stored, and the run counts `gateway_streams_aborted`; a
-retry of the same request is a new generation. A turn that was stored already is kept (a retry replays it).
+retry of the same request is a new generation. A turn whose generation had finished is stored all the
+same (a retry replays it).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ async def live_events(task: asyncio.Task[TurnAnswer], watch: TurnWatch, opened: 
         for event in [*renderer.deltas(text.finish(answer.parsed)), *renderer.finish(answer)]:
             yield event
     finally:
-        if not task.done():
+        if not task.done() and not watch.generated:
             task.cancel()
             _count_abort(opened)
 

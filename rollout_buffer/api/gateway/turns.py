@@ -160,6 +160,8 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     if watch is not None:
         watch.started(Start(index=count, prompt_tokens=len(prompt), call_array=call_array))
     turn, text = await client.generate_turn(prompt, params, on_text=None if watch is None else watch.on_text)
+    if watch is not None:
+        watch.generated = True
     # numbered and stored in one script (`session_lua.PUT_TURN`): packed with the count the probe saw, packed
     # again with the next free number if another turn of the session was stored meanwhile, so no failure
     # leaves a numbered gap (which the next turn would read as a rewind the client never made)

@@ -21,6 +21,7 @@ class TurnWatch:
     def __init__(self) -> None:
         self.start: Start | None = None
         self.text = ""
+        self.generated = False  # the engine has answered: the turn is being stored, a leaving client keeps it
         self.changed = asyncio.Event()
 
     def started(self, start: Start) -> None:
