@@ -159,7 +159,9 @@ def test_a_client_that_leaves_after_its_turn_was_stored_gets_it_replayed(server:
         body = {"model": "m", "messages": QUESTION}
         with httpx.stream("POST", f"{session['openai_base_url']}/chat/completions", json={**body, "stream": True},
                           headers=headers, timeout=30) as response:
-            next(response.iter_lines())  # a fast generation: stored before the client reads its first line
+            for line in response.iter_lines():  # the finish chunk comes once the turn is stored: leave there
+                if '"finish_reason":"stop"' in line:
+                    break
         retried = httpx.post(f"{session['openai_base_url']}/chat/completions", json=body, headers=headers, timeout=30)
         assert retried.status_code == 200 and "\\boxed{" in retried.json()["choices"][0]["message"]["content"]
         stats = _stats(client, run_id)
