@@ -77,7 +77,7 @@ async def streamed(turn: Awaitable[TurnAnswer], render: Callable[[TurnAnswer], I
     renderer of a started turn. GatewayError when the turn fails before the stream starts."""
     task = asyncio.ensure_future(turn)
     deadline = asyncio.get_running_loop().time() + GRACE_S
-    while not task.done() and not watch.text:
+    while not task.done() and not watch.chunks:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             break

@@ -24,6 +24,7 @@ from rollout_buffer.api.gateway.watch import Start, TurnWatch
 log = logging.getLogger(__name__)
 Event = tuple[str | None, Any]
 _counting: set[asyncio.Task[None]] = set()
+FLUSH_S = 0.02  # deltas closer together go out as one: a stream's events at most every 20 ms
 
 
 class LiveRenderer(Protocol):
@@ -53,6 +54,10 @@ async def live_events(task: asyncio.Task[TurnAnswer], watch: TurnWatch, opened: 
                     yield event
             if task.done():
                 break
+            if renderer is not None:
+                await asyncio.wait({task}, timeout=FLUSH_S)
+                if task.done() or watch.changed.is_set():
+                    continue
             waiter = asyncio.ensure_future(watch.changed.wait())
             try:
                 await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)

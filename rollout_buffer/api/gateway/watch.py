@@ -21,6 +21,7 @@ class TurnWatch:
     def __init__(self) -> None:
         self.start: Start | None = None
         self.text = ""
+        self.chunks = 0  # the engine's chunks so far: the first starts the client's stream, text or not
         self.generated = False  # the engine has answered: the turn is being stored, a leaving client keeps it
         self.changed = asyncio.Event()
 
@@ -30,4 +31,5 @@ class TurnWatch:
 
     def on_text(self, text: str) -> None:
         self.text = text
+        self.chunks += 1
         self.changed.set()
