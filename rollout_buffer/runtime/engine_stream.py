@@ -38,14 +38,17 @@ class StreamedAnswer:
         total = meta.get("completion_tokens")
         cumulative = len(ids) == total if isinstance(total, int) else ids[:len(self.ids)] == self.ids
         text = chunk.get("text") if isinstance(chunk.get("text"), str) else ""
-        if cumulative:
-            self.ids, self.text = [int(x) for x in ids], text
+        if cumulative:  # the chunk's own lists, not copies: checked once, at the end (`parse_generate_answer`)
+            self.ids, self.text = ids, text
         else:
-            self.ids.extend(int(x) for x in ids)
+            self.ids.extend(ids)
             self.text += text
         entries = meta.get("output_token_logprobs")
         if isinstance(entries, list):  # every token so far (SGLang) or only the new ones
-            self.logprobs = list(entries) if len(entries) == len(self.ids) else [*self.logprobs, *entries]
+            if len(entries) == len(self.ids):
+                self.logprobs = entries
+            else:
+                self.logprobs.extend(entries)
         self.meta = meta
 
     def answer(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from rollout_buffer.api.gateway.watch import Start, TurnWatch
 log = logging.getLogger(__name__)
 Event = tuple[str | None, Any]
 _counting: set[asyncio.Task[None]] = set()
-FLUSH_S = 0.02  # deltas closer together go out as one: a stream's events at most every 20 ms
+FLUSH_S = 0.05  # deltas closer together go out as one: a stream's events at most every 50 ms
 
 
 class LiveRenderer(Protocol):
