@@ -22,6 +22,7 @@ import httpx
 import orjson
 
 from bench.gateway import _sessions, _start
+from bench.procs import cpu_seconds_precise
 from bench.rollout_concurrency import _free_port, _spawn, _stop, _wait_for
 
 LATENCY_S, TOKEN_DELAY_S = 0.2, 0.01
@@ -117,8 +118,15 @@ def run(quick: bool = False, *, concurrency: int = 64, turns: int = 3) -> dict[s
                 run_id = _start(client, engine_url, tokenizer, "gateway-stream")
                 asyncio.run(_turns(url, _sessions(client, run_id, 2), 1, True))  # tokenizer, connections
                 engine_first = asyncio.run(_engine_first_chunks(engine_url, concurrency, turns, prompt))
-                streamed_s, firsts = asyncio.run(_turns(url, _sessions(client, run_id, concurrency), turns, True))
-                plain_s, _ = asyncio.run(_turns(url, _sessions(client, run_id, concurrency), turns, False))
+                cpu = {}
+                sessions = _sessions(client, run_id, concurrency)
+                before = cpu_seconds_precise(server.pid)
+                streamed_s, firsts = asyncio.run(_turns(url, sessions, turns, True))
+                cpu["streamed"] = cpu_seconds_precise(server.pid) - before
+                sessions = _sessions(client, run_id, concurrency)
+                before = cpu_seconds_precise(server.pid)
+                plain_s, _ = asyncio.run(_turns(url, sessions, turns, False))
+                cpu["plain"] = cpu_seconds_precise(server.pid) - before
         finally:
             for proc in (server, engine):
                 _stop(proc)
@@ -132,7 +140,8 @@ def run(quick: bool = False, *, concurrency: int = 64, turns: int = 3) -> dict[s
                                "engine_p99": 1000 * _percentile(engine_first, 0.99),
                                "engine_mean": 1000 * statistics.fmean(engine_first)},
             "added_p50_ms": p50, "added_p99_ms": p99, "streamed_turns_per_s": calls / streamed_s,
-            "plain_turns_per_s": calls / plain_s, "ratio": plain_s / streamed_s}
+            "plain_turns_per_s": calls / plain_s, "ratio": plain_s / streamed_s,
+            "cpu_ms_per_turn": {mode: 1000 * seconds / calls for mode, seconds in cpu.items()}}
 
 
 def main() -> int:
@@ -142,7 +151,8 @@ def main() -> int:
           f"+{r['added_p99_ms']:.1f} ms p99 over the engine's ({ms['engine_p50']:.0f} / {ms['engine_p99']:.0f} ms; "
           f"target p99 < 20 ms)")
     print(f"turns/s streamed {r['streamed_turns_per_s']:.1f}, not streamed {r['plain_turns_per_s']:.1f} "
-          f"(ratio {r['ratio']:.2f}, target >= 0.9)")
+          f"(ratio {r['ratio']:.2f}, target >= 0.9); the API process's CPU per turn: streamed "
+          f"{r['cpu_ms_per_turn']['streamed']:.2f} ms, not streamed {r['cpu_ms_per_turn']['plain']:.2f} ms")
     return 0
 
 
