@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -30,6 +31,7 @@ from rollout_buffer.runtime.engine_http import (
     post_once,
 )
 from rollout_buffer.runtime.engine_meta import ReplayJoin, call_meta
+from rollout_buffer.runtime.engine_stream import post_stream
 from rollout_buffer.runtime.engines import EngineChoice, single
 from rollout_buffer.runtime.history import HistoryGuard
 from rollout_buffer.runtime.options import DEFAULT_MAX_NEW_TOKENS
@@ -169,11 +171,14 @@ class GenerateClient(RolloutEngineSession):
         self.guard.record(messages, tools, message)
         return ChatResult(message=message, finish_reason=turn["finish_reason"], turn=turn)
 
-    async def generate_turn(self, prompt_ids: Any, params: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        """One token-exact turn for prompt ids the caller rendered (the agent gateway): (turn, text)."""
-        return await self._generate(prompt_ids, params)
+    async def generate_turn(self, prompt_ids: Any, params: dict[str, Any], *,
+                            on_text: Callable[[str], None] | None = None) -> tuple[dict[str, Any], str]:
+        """One token-exact turn for prompt ids the caller rendered (the agent gateway): (turn, text).
+        With `on_text` the engine streams, and the text so far goes to it as the tokens arrive."""
+        return await self._generate(prompt_ids, params, on_text)
 
-    async def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    async def _generate(self, prompt_ids: list[int], params: dict[str, Any],
+                        on_text: Callable[[str], None] | None = None) -> tuple[dict[str, Any], str]:
         """One turn: generate, continuing aborted pieces with the remaining budget."""
         budget = int(params["max_new_tokens"])
         output_ids: list[int] = []
@@ -195,7 +200,9 @@ class GenerateClient(RolloutEngineSession):
                     "sampling_params": {**params, "max_new_tokens": remaining}, **extra}
             started = await self.policy_version(fresh=piece > 0)
             rid_base = f"{self.rid_prefix or self.routing_key}:{len(self.turns)}:{piece}"
-            ids, lps, text, finish, meta = await self._call(body, rid_base)
+            before = "".join(texts)
+            ids, lps, text, finish, meta = await self._call(
+                body, rid_base, None if on_text is None else (lambda so_far, head=before: on_text(head + so_far)))
             version = meta.get("weight_version")
             calls.append(call_meta(meta))
             try:
@@ -221,15 +228,21 @@ class GenerateClient(RolloutEngineSession):
         turn.update(replay.fields(len(output_ids)))
         return turn, "".join(texts)
 
-    async def _call(self, body: dict[str, Any], rid_base: str) -> tuple[list[int], list[float], str, str, Any]:
+    async def _call(self, body: dict[str, Any], rid_base: str, on_text: Callable[[str], None] | None = None
+                    ) -> tuple[list[int], list[float], str, str, Any]:
         async def attempt(number: int) -> tuple[list[int], list[float], str, str, Any]:
             rid, url = f"{rid_base}:{number}", self.url
             started = time.perf_counter()
+            headers = {ROUTING_HEADER: self.routing_key}
             try:
-                answer = await post_once(self.session, f"{url}/generate", {**body, "rid": rid},
-                                         headers={ROUTING_HEADER: self.routing_key},
-                                         timeout_s=self.policy.timeout_s)
-            except EngineTimeout:
+                if on_text is None:
+                    answer = await post_once(self.session, f"{url}/generate", {**body, "rid": rid},
+                                             headers=headers, timeout_s=self.policy.timeout_s)
+                else:
+                    answer = await post_stream(self.session, f"{url}/generate", {**body, "rid": rid},
+                                               headers=headers, timeout_s=self.policy.timeout_s, on_text=on_text,
+                                               abort=lambda: self._abort(url, rid))
+            except EngineTimeout:  # stopped waiting: drop it there
                 self._abort_later(url, rid)
                 raise
             finally:  # every attempt's latency, failed ones too; it goes to Redis with the task's finish
@@ -242,17 +255,17 @@ class GenerateClient(RolloutEngineSession):
         self.stats["engine_calls"] += 1
         return await call_with_retries(attempt, self.policy, on_retry=lambda error: self.note_retry(error, rid_base))
 
-    def _abort_later(self, url: str, rid: str) -> None:
+    async def _abort(self, url: str, rid: str) -> None:
         """Best effort: tell the engine that got the request to drop it, since we stopped waiting for it.
         (sglang-router 0.3 does not route `/abort_request`; behind it this finds a 404 and gives up.)"""
+        try:
+            await post_once(self.session, f"{url}/abort_request", {"rid": rid}, headers={},
+                            timeout_s=min(5.0, self.policy.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the engine may be the thing that is down
+            log.debug("abort_request for %s failed: %s", rid, exc)
 
-        async def abort() -> None:
-            try:
-                await post_once(self.session, f"{url}/abort_request", {"rid": rid}, headers={},
-                                timeout_s=min(5.0, self.policy.timeout_s))
-            except Exception as exc:  # noqa: BLE001 - the engine may be the thing that is down
-                log.debug("abort_request for %s failed: %s", rid, exc)
-
-        task = asyncio.get_running_loop().create_task(abort())
+    def _abort_later(self, url: str, rid: str) -> None:
+        """`_abort` in the background."""
+        task = asyncio.get_running_loop().create_task(self._abort(url, rid))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -1,6 +1,7 @@
 """Streamed answers keep their clients alive: a generation slower than the client's read timeout reaches it
-(the gateway's stream starts at once, with keep-alive comments until the answer), and a failure after the
-stream started arrives as an error event in the API's own stream shape."""
+(the gateway's stream starts after a short grace, with keep-alive comments until the first tokens), a
+failure after the stream started arrives as an error event in the API's own stream shape, and a client
+that leaves before its first token aborts the generation."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def test_a_failure_after_the_stream_started_is_an_error_event(server: ServerProc
         engine.configure(fail_next=0)
 
 
-def test_a_client_that_goes_away_finds_its_turn_stored_on_retry(server: ServerProcess,
-                                                                 qwen_tokenizer_path: str) -> None:
+def test_a_client_that_goes_away_before_the_first_token_aborts_and_its_retry_is_answered_afresh(
+        server: ServerProcess, qwen_tokenizer_path: str) -> None:
     with run_engine_in_thread(template="qwen2.5", seed=4, latency_s=2.0) as engine, \
             httpx.Client(base_url=server.url, timeout=30) as client:
         run_id = start_external(client, engine.url, qwen_tokenizer_path, repeats=1)
@@ -75,9 +76,11 @@ def test_a_client_that_goes_away_finds_its_turn_stored_on_retry(server: ServerPr
             if engine_calls_of(engine, session["session_id"]):
                 break
             time.sleep(0.05)
-        time.sleep(0.5)  # the turn is stored right after its generation
+        [aborted] = engine_calls_of(engine, session["session_id"])  # in its prefill: aborted at the engine
+        assert aborted["finish_reason"]["type"] == "abort" and aborted["output_ids"] == []
+        engine.configure(latency_s=0.0)
         retried = httpx.post(f"{session['openai_base_url']}/chat/completions", json=body, headers=headers, timeout=30)
         assert retried.status_code == 200 and "\\boxed{" in retried.json()["choices"][0]["message"]["content"]
         stats = client.get(f"/runs/{run_id}").json()["stats"]
-        assert stats["gateway_replays"] == 1 and stats["gateway_turns"] == 1
-        assert len(engine_calls_of(engine, session["session_id"])) == 1
+        assert stats["gateway_turns"] == 1 and stats["gateway_streams_aborted"] == 1 and "gateway_replays" not in stats
+        assert len(engine_calls_of(engine, session["session_id"])) == 2

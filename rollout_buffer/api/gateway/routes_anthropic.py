@@ -12,6 +12,8 @@ from rollout_buffer.api.gateway.errors import GatewayError, error_body, error_re
 from rollout_buffer.api.gateway.field_labels import ignored_field_stats
 from rollout_buffer.api.gateway.schemas import MessagesBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
+from rollout_buffer.api.gateway.stream_anthropic import MessagesStream
+from rollout_buffer.api.gateway.watch import TurnWatch
 from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
@@ -33,10 +35,13 @@ async def messages(request: Request) -> Any:
             await opened.gateway.store.incr_stats(opened.session.run_id, ignored_field_stats("anthropic", body.ignored))
         await count(opened, ignored_counters(body.ignored_tools))
         sid = opened.session.session_id
-        turn = answer_turn(opened, body.messages, body.tools, body.params, body.constraint)
-        if body.stream:
+        watch = TurnWatch() if body.stream else None
+        turn = answer_turn(opened, body.messages, body.tools, body.params, body.constraint, watch)
+        if watch is not None:
             return await streamed(turn, lambda answer: wire_anthropic.events(answer, sid, body.model, signs),
-                                  lambda exc: ("error", error_body("anthropic", exc.status, exc.message)), request)
+                                  lambda exc: ("error", error_body("anthropic", exc.status, exc.message)), request,
+                                  opened=opened, watch=watch,
+                                  live=lambda start: MessagesStream(start, sid, body.model, signs))
         answer = await turn
     except GatewayError as exc:
         return error_response("anthropic", exc)

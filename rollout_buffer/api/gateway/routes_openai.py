@@ -12,6 +12,8 @@ from rollout_buffer.api.gateway import wire_openai
 from rollout_buffer.api.gateway.errors import GatewayError, error_body, error_response, open_session
 from rollout_buffer.api.gateway.schemas import ChatCompletionsBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
+from rollout_buffer.api.gateway.stream_openai import ChatStream
+from rollout_buffer.api.gateway.watch import TurnWatch
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.gateway.wire_fields import CHAT_READ, ignored_fields
 from rollout_buffer.api.gateway.wire_tools import ignored_counters
@@ -32,11 +34,13 @@ async def chat_completions(request: Request) -> Any:
         await count(opened, {**ignored_fields(fields, CHAT_READ, "openai"), **ignored_counters(chat.ignored_tools)})
         model = chat.model or opened.ctx.model
         sid = opened.session.session_id
-        turn = answer_turn(opened, chat.messages, chat.tools, chat.params, chat.constraint)
-        if chat.stream:
+        watch = TurnWatch() if chat.stream else None
+        turn = answer_turn(opened, chat.messages, chat.tools, chat.params, chat.constraint, watch)
+        if watch is not None:
             return await streamed(turn, lambda answer: [
                 *((None, c) for c in wire_openai.chunks(answer, sid, model, chat.include_usage)), (None, "[DONE]")],
-                lambda exc: (None, error_body("openai", exc.status, exc.message, exc.param)), request)
+                lambda exc: (None, error_body("openai", exc.status, exc.message, exc.param)), request,
+                opened=opened, watch=watch, live=lambda start: ChatStream(start, sid, model, chat.include_usage))
         answer = await turn
     except GatewayError as exc:
         return error_response("openai", exc)

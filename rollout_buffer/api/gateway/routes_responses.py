@@ -13,6 +13,8 @@ from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_respon
 from rollout_buffer.api.gateway.records import conversation
 from rollout_buffer.api.gateway.schemas import ResponsesBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
+from rollout_buffer.api.gateway.stream_responses import ResponsesStream
+from rollout_buffer.api.gateway.watch import TurnWatch
 from rollout_buffer.api.gateway.signing import signer
 from rollout_buffer.api.gateway.wire_common import json_object
 from rollout_buffer.api.gateway.wire_fields import RESPONSES_READ, ignored_fields
@@ -62,10 +64,12 @@ async def responses(request: Request) -> Any:
         messages = [*await _history(opened, body), *body.items]
         sid = opened.session.session_id
         model = body.model or opened.ctx.model
-        turn = answer_turn(opened, messages, body.tools, body.params, body.constraint)
-        if body.stream:
+        watch = TurnWatch() if body.stream else None
+        turn = answer_turn(opened, messages, body.tools, body.params, body.constraint, watch)
+        if watch is not None:
             return await streamed(turn, lambda answer: wire_responses.events(answer, sid, body, model),
-                                  _stream_error, request)
+                                  _stream_error, request, opened=opened, watch=watch,
+                                  live=lambda start: ResponsesStream(start, sid, body, model))
         answer = await turn
     except GatewayError as exc:
         return error_response("openai", exc)

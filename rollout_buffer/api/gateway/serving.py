@@ -1,12 +1,12 @@
 """What the three API routes share: open the session, run the turn, map failures to the API's errors,
 and frame a stream as server-sent events (sse-starlette).
 
-A streamed request whose turn is not answered within `GRACE_S` gets its stream at once, with keep-alive
-comments every `KEEPALIVE_S` until the answer's events (an agent CLI waits on its stream with an idle
-timeout; a long prefill, a queue or a long generation must not look like a dead server); a failure after
-that is an error event in the API's own stream shape. Sooner answers and failures are sent as before (an
-error keeps its HTTP status: a 429's `Retry-After` is what clients retry on). A client that goes away
-leaves its turn running to the end and stored, so its retry is answered from the stored turn.
+A streamed request's stream starts with its first generated token, or after `GRACE_S` with none, and
+carries keep-alive comments every `KEEPALIVE_S` (an agent CLI waits on its stream with an idle timeout;
+a long prefill or a queue must not look like a dead server); the tokens go out as they arrive
+(`stream_live`), and a failure after the stream started is an error event in the API's own stream shape.
+Failures before it are sent as before (an error keeps its HTTP status: a 429's `Retry-After` is what
+clients retry on), and so is an answer ready at once (a replay).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from rollout_buffer.api.gateway.constraints import NONE, Constraint
 from rollout_buffer.api.gateway import session_caps
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.json_limits import arguments_problem
+from rollout_buffer.api.gateway.stream_live import LiveRenderer, live_events
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
+from rollout_buffer.api.gateway.watch import Start, TurnWatch
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
 from rollout_buffer.tasks.contract import HistoryRewriteError
 
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 GRACE_S = 0.5
 KEEPALIVE_S = 5.0
 Event = tuple[str | None, Any]
-_running: set[asyncio.Task[TurnAnswer]] = set()  # turns whose client went away, finishing to be stored
+_running: set[asyncio.Task[TurnAnswer]] = set()  # streamed turns, held until they end
 MAX_CHARS_PER_TOKEN = 16  # no tokenizer packs more text than this into one token, but for degenerate text
 
 
@@ -49,7 +51,8 @@ def text_chars(messages: list[dict[str, Any]]) -> int:
 
 
 async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      params: dict[str, Any], constraint: Constraint = NONE) -> TurnAnswer:
+                      params: dict[str, Any], constraint: Constraint = NONE, watch: TurnWatch | None = None
+                      ) -> TurnAnswer:
     """One turn, its failures as GatewayError: 400 a request it cannot render, 429 (Retry-After) the engine
     full or unreachable after retries, 502 the engine refusing."""
     problem = arguments_problem(messages)  # before any JSON of the history is parsed again
@@ -63,7 +66,7 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
     session_caps.check_session(await session_caps.usage(opened.gateway, opened.session), opened.gateway.settings)
     try:
         answer = await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools,
-                                {**params, **constraint.params()}, call_array=constraint.calls)
+                                {**params, **constraint.params()}, call_array=constraint.calls, watch=watch)
         await session_caps.account(opened.gateway, opened.session, answer)
         return answer
     except SessionClosed as exc:
@@ -94,26 +97,29 @@ def _finished(task: asyncio.Task[TurnAnswer]) -> None:
 
 
 async def streamed(turn: Awaitable[TurnAnswer], render: Callable[[TurnAnswer], Iterable[Event]],
-                   failed: Callable[[GatewayError], Event], request: Request) -> EventSourceResponse:
-    """A streamed answer: the turn's events, after keep-alives while it runs (see the module docstring).
-    GatewayError when the turn fails within `GRACE_S`."""
+                   failed: Callable[[GatewayError], Event], request: Request, *, opened: Opened, watch: TurnWatch,
+                   live: Callable[[Start], LiveRenderer]) -> EventSourceResponse:
+    """A streamed answer (see the module docstring); `watch` is the one `turn` reports to, `live` the API's
+    renderer of a started turn. GatewayError when the turn fails before the stream starts."""
     task = asyncio.ensure_future(turn)
-    done, _ = await asyncio.wait({task}, timeout=GRACE_S)
-    if done:
+    deadline = asyncio.get_running_loop().time() + GRACE_S
+    while not task.done() and not watch.chunks:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        watch.changed.clear()
+        waiter = asyncio.ensure_future(watch.changed.wait())
+        try:
+            await asyncio.wait({task, waiter}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+    if task.done():  # answered (or failed) before the stream started: as a finished answer
         return sse(render(task.result()), request)
     _running.add(task)
     task.add_done_callback(_finished)
 
-    def events() -> Iterable[Event]:
-        try:
-            answer = task.result()
-        except GatewayError as exc:
-            return [failed(exc)]
-        return render(answer)
-
     async def stream() -> AsyncIterator[ServerSentEvent]:
-        await asyncio.wait({task})
-        for event, data in events():
+        async for event, data in live_events(task, watch, opened, live, render, failed):
             yield ServerSentEvent(data=data if isinstance(data, str) else orjson.dumps(data).decode(), event=event)
 
     return EventSourceResponse(stream(), sep="\n", ping=KEEPALIVE_S)

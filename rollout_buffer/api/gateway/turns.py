@@ -24,6 +24,7 @@ from rollout_buffer.api.gateway.rendering import render_off_loop
 from rollout_buffer.api.gateway.context import Gateway, RunContext
 from rollout_buffer.store.session_turns import Node
 from rollout_buffer.api.gateway.parsers import ParsedOutput
+from rollout_buffer.api.gateway.watch import Start, TurnWatch
 from rollout_buffer.store.sessions import Session
 from rollout_buffer.runtime.sglang_client import merge_sampling
 
@@ -115,9 +116,10 @@ async def _fork_reason(gw: Gateway, session: Session, count: int, messages: list
 
 async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None, client_params: dict[str, Any], *,
-                   call_array: bool = False) -> TurnAnswer:
+                   call_array: bool = False, watch: TurnWatch | None = None) -> TurnAnswer:
     """Answer one request of `session` (see the module docstring); `call_array`: the generation is
-    constrained to a JSON array of tool calls (a forced call), read as the calls."""
+    constrained to a JSON array of tool calls (a forced call), read as the calls; `watch`: the engine
+    streams, and the turn's start and text so far go to it (a streamed answer)."""
     arrived = time.time()  # from here until the answer, the agent waits on the model (not tool time)
     _check(messages)
     tools = tools or None
@@ -160,7 +162,11 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     # engine request ids: unique per call (a retry after a killed process may meet its first attempt still in
     # the engine), readable in the engine's logs
     client.rid_prefix = f"{sid}:{count}.{secrets.token_hex(3)}"
-    turn, text = await client.generate_turn(prompt, params)
+    if watch is not None:
+        watch.started(Start(index=count, prompt_tokens=len(prompt), call_array=call_array))
+    turn, text = await client.generate_turn(prompt, params, on_text=None if watch is None else watch.on_text)
+    if watch is not None:
+        watch.generated = True
     # numbered and stored in one script (`session_lua.PUT_TURN`): packed with the count the probe saw, packed
     # again with the next free number if another turn of the session was stored meanwhile, so no failure
     # leaves a numbered gap (which the next turn would read as a rewind the client never made)

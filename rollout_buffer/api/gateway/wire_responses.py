@@ -173,19 +173,30 @@ def output_items(answer: TurnAnswer, request: ResponsesRequest) -> list[dict[str
     return items
 
 
+def started(session_id: str, index: int, created: int, request: ResponsesRequest, model: str) -> dict[str, Any]:
+    """The response as a stream opens it: in progress, no output yet."""
+    return _envelope(session_id, index, created, request, model, "in_progress")
+
+
+def _envelope(session_id: str, index: int, created: int, request: ResponsesRequest, model: str,
+              status: str) -> dict[str, Any]:
+    return {
+        "id": response_id(session_id, index), "object": "response", "created_at": created, "status": status,
+        "model": model, "output": [], "error": None, "incomplete_details": None, "instructions": request.instructions,
+        "previous_response_id": request.previous_response_id, "temperature": request.params.get("temperature"),
+        "top_p": request.params.get("top_p"), "max_output_tokens": request.params.get("max_new_tokens"),
+        "tools": request.raw_tools, "truncation": "disabled", **request.echo}
+
+
 def response(answer: TurnAnswer, session_id: str, request: ResponsesRequest, model: str, *,
              status: str | None = None, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     cut = answer.engine_finish == "length" and not answer.parsed.tool_calls
     final = "incomplete" if cut else "completed"
+    body = _envelope(session_id, answer.node.index, int(answer.node.created_at or time.time()), request, model,
+                     status or final)
     return {
-        "id": response_id(session_id, answer.node.index), "object": "response",
-        "created_at": int(answer.node.created_at or time.time()), "status": status or final, "model": model,
-        "output": output_items(answer, request) if output is None else output, "error": None,
+        **body, "output": output_items(answer, request) if output is None else output,
         "incomplete_details": {"reason": "max_output_tokens"} if cut and (status or final) == "incomplete" else None,
-        "instructions": request.instructions,
-        "previous_response_id": request.previous_response_id, "temperature": request.params.get("temperature"),
-        "top_p": request.params.get("top_p"), "max_output_tokens": request.params.get("max_new_tokens"),
-        "tools": request.raw_tools, "truncation": "disabled", **request.echo,
         "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens,
                   "total_tokens": answer.prompt_tokens + answer.completion_tokens,
                   "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},

@@ -3,7 +3,8 @@
 
 As SGLang does: chunks are cumulative (everything so far) unless the server runs with
 `--incremental-streaming-output` (`incremental_streaming_output`: only what is new), one every
-`stream_interval` tokens (`--stream-interval`) and at the end; `meta_info.output_token_logprobs` always holds
+`stream_interval` tokens (`--stream-interval`) and at the end, its text without a character split across
+tokens; `meta_info.output_token_logprobs` always holds
 every token so far; `finish_reason` is null until the last chunk. Tokens come `token_delay_s` apart after the
 request's latency; `/abort_request` with the rid cuts the stream (`finish_reason.type` `abort`), and a client
 that disconnects stops the generation, which is logged as aborted.
@@ -44,8 +45,9 @@ def stream_generate(engine: TestEngine, body: dict[str, Any], params: dict[str, 
     incremental, interval = config.incremental_streaming_output, max(1, config.stream_interval)
 
     def chunk(ids: list[int], sent: int, text_sent: int, final: dict[str, Any] | None) -> tuple[bytes, int]:
+        # a chunk's text ends at its last whole character, as SGLang's detokenizer holds back a split one
         text = output_text(ids, final, params, engine.codec) if final else engine.codec.decode(
-            ids, skip_special_tokens=bool(params.get("skip_special_tokens", True)))
+            ids, skip_special_tokens=bool(params.get("skip_special_tokens", True))).rstrip("\ufffd")
         meta: dict[str, Any] = {"id": request_id, "finish_reason": final, "prompt_tokens": len(prompt),
                                 "completion_tokens": len(ids), "weight_version": config.weight_version}
         if want_logprob:

@@ -1,0 +1,117 @@
+"""SGLang's streamed `/generate` read into the same answer as an unstreamed call.
+
+Chunks are cumulative (SGLang's default) or incremental (`--incremental-streaming-output`); which one a
+chunk is follows from `meta_info.completion_tokens` (every token so far) against the chunk's `output_ids`,
+so both server settings give one answer: the whole output's ids, logprobs and text, and the last chunk's
+`meta_info`. Each chunk's text so far goes to `on_text` as it arrives (the gateway's streamed answers).
+A caller that is cancelled mid-stream aborts the request at the engine (`abort`) before the connection
+closes, so the engine stops generating for a client that has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from rollout_buffer.runtime.engine_http import EngineError, EngineTimeout, TransientEngineError
+
+
+class StreamedAnswer:
+    """The answer so far, merged chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[Any] = []
+        self.text = ""
+        self.meta: dict[str, Any] = {}
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        meta = chunk.get("meta_info")
+        ids = chunk.get("output_ids")
+        if not isinstance(meta, dict) or not isinstance(ids, list):
+            raise TransientEngineError(f"malformed stream chunk: {str(chunk)[:200]}")
+        total = meta.get("completion_tokens")
+        cumulative = len(ids) == total if isinstance(total, int) else ids[:len(self.ids)] == self.ids
+        text = chunk.get("text") if isinstance(chunk.get("text"), str) else ""
+        if cumulative:  # the chunk's own lists, not copies: checked once, at the end (`parse_generate_answer`)
+            self.ids, self.text = ids, text
+        else:
+            self.ids.extend(ids)
+            self.text += text
+        entries = meta.get("output_token_logprobs")
+        if isinstance(entries, list):  # every token so far (SGLang) or only the new ones
+            if len(entries) == len(self.ids):
+                self.logprobs = entries
+            else:
+                self.logprobs.extend(entries)
+        self.meta = meta
+
+    def answer(self) -> dict[str, Any]:
+        """In the shape of an unstreamed `/generate` answer."""
+        meta = dict(self.meta)
+        if "output_token_logprobs" in meta:
+            meta["output_token_logprobs"] = self.logprobs
+        return {"text": self.text, "output_ids": self.ids, "meta_info": meta}
+
+
+async def post_stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any], *, headers: dict[str, str],
+                      timeout_s: float, on_text: Callable[[str], None],
+                      abort: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+    """One streamed POST to `/generate`; failures classified as `post_once` classifies them."""
+    payload = orjson.dumps({**body, "stream": True}, option=orjson.OPT_SERIALIZE_NUMPY)
+    merged = StreamedAnswer()
+    aborted = False
+    try:
+        async with session.post(url, data=payload, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                headers={"Content-Type": "application/json", **headers}) as response:
+            if response.status >= 400:
+                raw = await response.read()
+                kind = TransientEngineError if response.status >= 500 or response.status == 429 else EngineError
+                raise kind(f"{url} answered HTTP {response.status}: {raw[:300]!r}")
+            try:
+                done = await _read(response, merged, url, on_text)
+            except asyncio.CancelledError:  # while the engine streams to us: it hears the abort first
+                aborted = True
+                await _quietly(abort)
+                raise
+    except asyncio.CancelledError:  # before the stream started (a long prefill, a queue)
+        if not aborted:
+            await _quietly(abort)
+        raise
+    except TimeoutError as exc:
+        raise EngineTimeout(f"no answer from {url} within {timeout_s:g}s") from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise TransientEngineError(f"{type(exc).__name__} talking to {url}: {exc}") from exc
+    if not done and not merged.meta.get("finish_reason"):
+        raise TransientEngineError(f"{url} ended its stream before the answer finished")
+    return merged.answer()
+
+
+async def _read(response: aiohttp.ClientResponse, merged: StreamedAnswer, url: str,
+                on_text: Callable[[str], None]) -> bool:
+    """The stream's chunks into `merged`; whether it ended with `[DONE]`."""
+    async for line in response.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise TransientEngineError(f"{url} streamed malformed JSON: {data[:200]!r}") from exc
+        if not isinstance(chunk, dict):
+            raise TransientEngineError(f"{url} streamed {type(chunk).__name__}, expected an object")
+        merged.add(chunk)
+        on_text(merged.text)
+    return False
+
+
+async def _quietly(abort: Callable[[], Awaitable[None]]) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(abort(), timeout=5.0)
