@@ -38,21 +38,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("filterwarnings", f"error::{dotted}")
 
 
-# The longest test files, run first: each file runs whole on one worker (`--dist loadfile`), so a long file
-# taken last would leave the other workers idle at the end (a 6-minute tail in a 15-minute run).
-LONG_FILES = ("tests/chaos/test_chaos.py", "tests/agents/test_agent_command_claude_code.py",
-              "tests/agents/test_agent_trust.py", "tests/api/test_fuzz_api.py", "tests/store/test_replica_wait_paths.py",
-              "tests/agents/test_sandbox_docker.py", "tests/agents/test_codex_cli.py",
-              "tests/runtime/test_runtime_workers.py", "tests/api/test_no_500_from_input.py",
-              "tests/cli/test_quiet_start.py", "tests/agents/test_agent_command_runs.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Long files first (`LONG_FILES`), the rest in their usual order; the same order in every worker."""
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FILES)))
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A module whose `SERVER` names several Redis backends runs its tests once per backend."""
     spec = getattr(metafunc.module, "SERVER", None)
