@@ -143,13 +143,6 @@ class Settings(BaseSettings):
                              f"database {parts.path.strip('/')!r}")
         return self
 
-    @field_validator("agent_sandbox", mode="before")
-    @classmethod
-    def _split_sandboxes(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [u for u in value.replace(",", " ").split() if u]
-        return value
-
     @field_validator("agent_sandbox")
     @classmethod
     def _known_sandboxes(cls, value: list[str]) -> list[str]:
@@ -158,10 +151,10 @@ class Settings(BaseSettings):
                 raise ValueError(f"--agent-sandbox {name!r}: give bwrap, docker, local or 'package.module:factory'")
         return list(dict.fromkeys(value))
 
-    @field_validator("allow_url", "allowed_host", "cors_origin", mode="before")
+    @field_validator("allow_url", "allowed_host", "cors_origin", "agent_sandbox", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:
-        # URLs contain ':', so the environment form separates them with commas or whitespace
+        # URLs and factory paths contain ':', so the environment form separates them with commas or whitespace
         if isinstance(value, str):
             return [u for u in value.replace(",", " ").split() if u]
         return value

@@ -11,6 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tests.support.sandbox_python import world_readable
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("ROLLOUT_BUFFER_TOOL_CACHE") or Path.home() / ".cache" / "rollout-buffer" / "tools")
@@ -56,8 +58,7 @@ def install_npm_tool(package: str, version: str, *, folder: str, binary_name: st
 def readable_by_any_uid(install: Path) -> Path:
     """`install` (a tool's install folder) where any uid can read it: itself when every folder above it is
     world-readable, else a hard-linked copy in the temp dir (a bwrap sandbox runs as a uid of its own)."""
-    parts = [install, *install.parents]
-    if all(p.stat().st_mode & 0o001 for p in parts):
+    if world_readable(install):
         return install
     target = Path(tempfile.gettempdir()) / "rollout-buffer-tools-readable" / install.name
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,8 @@ from pathlib import Path
 SYSTEM_PYTHON = "/usr/bin/python3"
 
 
-def _world_readable(path: Path) -> bool:
+def world_readable(path: Path) -> bool:
+    """Whether any uid can reach `path` (every folder above it searchable) and list or read it."""
     for part in [path, *path.parents]:
         mode = part.stat().st_mode
         if not mode & stat.S_IXOTH or (part == path and not mode & stat.S_IROTH):
@@ -39,7 +40,7 @@ def agent_site_packages() -> Path:
     if _system_minor() != str(tuple(sys.version_info[:2])):
         raise RuntimeError(f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}")
     own = Path(sysconfig.get_paths()["purelib"])
-    if _world_readable(own):
+    if world_readable(own):
         return own
     target = Path(tempfile.gettempdir()) / f"rollout-buffer-agent-site-{metadata.version('openai')}"
     with open(f"{target}.lock", "w") as lock:  # one installer at a time (xdist workers)
