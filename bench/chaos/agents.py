@@ -64,9 +64,11 @@ class GatewayAgents:
               headers: dict[str, str] | None = None) -> dict[str, Any]:
         """POST until the buffer answers 200 (it may be down, restarting, or its Redis failing over)."""
         deadline = time.monotonic() + self.deadline_s
+        last = "nothing"
         while time.monotonic() < deadline:
             try:
                 answer = client.post(path, json=body, headers=headers)
+                last = f"{answer.status_code} {answer.text[:200]}"
                 if answer.status_code == 200:
                     return answer.json()
                 if answer.status_code == 500:
@@ -75,22 +77,35 @@ class GatewayAgents:
                     self.wrong_epoch.append(f"{what}: {answer.text[:200]}")
                 if answer.status_code < 500 and answer.status_code != 429:
                     raise RuntimeError(f"{what}: {answer.status_code} {answer.text[:300]}")
-            except httpx.HTTPError:
-                pass
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
             self.retries[what] += 1
             time.sleep(0.2)
-        raise TimeoutError(f"{what}: no answer within {self.deadline_s} s")
+        raise TimeoutError(f"{what}: no answer within {self.deadline_s} s after {self.retries[what]} tries "
+                           f"(the last: {last})")
 
     def start(self) -> "GatewayAgents":
-        with httpx.Client(base_url=self.url, timeout=30) as client:
-            self._post(client, "/start_rollout", {
-                "task_type": "external", "remote_engine_url": self.engine_url, "tokenizer_path": self.tokenizer_path,
-                "num_repeat_per_sample": self.repeats, "run_id": self.run_id, "engine_timeout_s": self.engine_timeout_s,
-                "sampling_params": {"max_tokens": 48, "temperature": 1.0}}, "start")
+        """Start the run, its reader and the agents in the background: the harness's supervisor loop must go on
+        meanwhile (it starts again an API that exited while `/start_rollout` is being retried)."""
         self.reader = LeasedReader(self.url, self.run_id, lease_s=60.0, deadline_s=self.deadline_s)
-        start_daemon(self.reader.run)
-        start_daemon(self.run)
+        start_daemon(self._start_then_run)
         return self
+
+    def _start_then_run(self) -> None:
+        try:
+            with httpx.Client(base_url=self.url, timeout=30) as client:
+                self._post(client, "/start_rollout", {
+                    "task_type": "external", "remote_engine_url": self.engine_url,
+                    "tokenizer_path": self.tokenizer_path, "num_repeat_per_sample": self.repeats,
+                    "run_id": self.run_id, "engine_timeout_s": self.engine_timeout_s,
+                    "sampling_params": {"max_tokens": 48, "temperature": 1.0}}, "start")
+        except Exception as exc:  # reported by the checker: the run never started
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            self.done.set()
+            return
+        assert self.reader is not None
+        start_daemon(self.reader.run)
+        self.run()
 
     def run(self) -> None:
         """`loops` agents at once, each taking the next instance until there are enough."""
