@@ -3,7 +3,8 @@ and frame a stream as server-sent events (sse-starlette).
 
 A streamed request's stream starts with its first generated token, or after `GRACE_S` with none, and
 carries keep-alive comments every `KEEPALIVE_S` (an agent CLI waits on its stream with an idle timeout;
-a long prefill or a queue must not look like a dead server); the tokens go out as they arrive
+a long prefill or a queue must not look like a dead server), and once the turn has started, the API's own
+keep-alive event when nothing else was sent for as long (`stream_live`); the tokens go out as they arrive
 (`stream_live`), and a failure after the stream started is an error event in the API's own stream shape.
 Failures before it are sent as before (an error keeps its HTTP status: a 429's `Retry-After` is what
 clients retry on), and so is an answer ready at once (a replay).
@@ -24,7 +25,7 @@ from rollout_buffer.api.gateway.constraints import NONE, Constraint
 from rollout_buffer.api.gateway import session_caps
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.json_limits import arguments_problem
-from rollout_buffer.api.gateway.stream_live import LiveRenderer, live_events
+from rollout_buffer.api.gateway.stream_live import KEEPALIVE_S, LiveRenderer, live_events
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
 from rollout_buffer.api.gateway.watch import Start, TurnWatch
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
@@ -32,7 +33,6 @@ from rollout_buffer.tasks.contract import HistoryRewriteError
 
 log = logging.getLogger(__name__)
 GRACE_S = 0.5
-KEEPALIVE_S = 5.0
 Event = tuple[str | None, Any]
 _running: set[asyncio.Task[TurnAnswer]] = set()  # streamed turns, held until they end
 MAX_CHARS_PER_TOKEN = 16  # no tokenizer packs more text than this into one token, but for degenerate text

@@ -30,6 +30,10 @@ class MessagesStream:
     def start(self) -> list[Event]:
         return [("message_start", {"type": "message_start", "message": self.message})]
 
+    def keepalive(self) -> list[Event]:
+        """Anthropic's own keep-alive event (clients skip it)."""
+        return [("ping", {"type": "ping"})]
+
     def _open(self, block: dict[str, Any]) -> list[Event]:
         out = self._close()
         self.index += 1

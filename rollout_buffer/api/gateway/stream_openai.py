@@ -29,6 +29,11 @@ class ChatStream:
     def start(self) -> list[Event]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
+    def keepalive(self) -> list[Event]:
+        """None: Chat Completions has no keep-alive event, and its clients' read timeouts count bytes, which
+        the stream's keep-alive comments are."""
+        return []
+
     def deltas(self, deltas: list[Delta]) -> list[Event]:
         out: list[Event] = []
         for delta in deltas:

@@ -35,6 +35,13 @@ class ResponsesStream:
         return [self._event("response.created", response=started),
                 self._event("response.in_progress", response=started)]
 
+    def keepalive(self) -> list[Event]:
+        """`response.in_progress` again: an event of the stream's own, which clients whose idle timer counts
+        events, not SSE comments (Codex), see while a tool call's markup is being generated."""
+        started = {**wire_responses.started(self.session_id, self.begin.index, self.begin.created, self.request,
+                                            self.model), "usage": None}
+        return [self._event("response.in_progress", response=started)]
+
     def _where(self) -> dict[str, Any]:
         assert self.open is not None
         return {"item_id": self.open["id"], "output_index": self.position}
