@@ -212,6 +212,7 @@ def _external_stream(services: Services, base: Path, round_no: int, n: int) -> t
         except (httpx.HTTPError, AssertionError):
             if time.monotonic() > deadline:
                 raise
+            services.supervise()  # this loop holds the harness's own: an API that exited is started again here
             time.sleep(0.2)
     records = [make_record(f"x{i}", uid=f"{run_id}-{i}", run_id=run_id) for i in range(n)]
     writer = RetryingWriter(services.url, run_id, records, batch_size=4, deadline_s=600)
