@@ -23,11 +23,11 @@ slime's data buffer asserts groups of exactly `n_samples_per_prompt` samples: a 
 keeps only its last piece by default (`agent_fork_policy`, see `AgentRolloutSettings`), and a buffer whose
 groups are larger than the trainer asks for raises `GroupSizeMismatchError` at once instead of polling.
 
-A step never waits forever on a run that cannot deliver: `RunFailedError` (`slime_adapter.run_health`)
+A step never waits forever on a run that cannot deliver: `RunFailedError` (`slime_adapter.reading.run_health`)
 when too many groups in a row failed entirely or the run has ended with nothing left. With
 `min_batch_collection_ratio` below 1 a step may return early (see `AgentRolloutSettings`). With
-`evaluation=True` it evaluates instead (`slime_adapter.evaluation`). When slime has its output classes
-the result is a `RolloutFnTrainOutput(samples, metrics)` (`slime_adapter.outputs`).
+`evaluation=True` it evaluates instead (`slime_adapter.hooks.evaluation`). When slime has its output classes
+the result is a `RolloutFnTrainOutput(samples, metrics)` (`slime_adapter.hooks.outputs`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,12 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from slime_adapter.buffer_client import (
+from slime_adapter.hooks.evaluation import evaluate
+from slime_adapter.hooks.metrics import log_raw_info
+from slime_adapter.hooks.outputs import slime_outputs_available, train_output
+from slime_adapter.hooks.step import SampleBuildError, Step, split_groups
+from slime_adapter.hooks.surplus import Surplus
+from slime_adapter.reading.buffer_client import (
     BufferUnavailableError,
     RunSuperseded,
     StartRolloutRejected,
@@ -56,14 +61,9 @@ from slime_adapter.buffer_client import (
     skip_ids_from_metadata,
     start_rollout,
 )
-from slime_adapter.evaluation import evaluate
-from slime_adapter.lease_renewal import LeaseKeeper
-from slime_adapter.metrics import log_raw_info
-from slime_adapter.outputs import slime_outputs_available, train_output
-from slime_adapter.run_health import RunFailedError, RunHealth, raise_if_exhausted
+from slime_adapter.reading.lease_renewal import LeaseKeeper
+from slime_adapter.reading.run_health import RunFailedError, RunHealth, raise_if_exhausted
 from slime_adapter.settings import AgentRolloutSettings
-from slime_adapter.step import SampleBuildError, Step, split_groups
-from slime_adapter.surplus import Surplus
 
 __all__ = [
     "AgentRolloutState",
@@ -244,7 +244,7 @@ async def _collect(step: Step, need_groups: int, min_groups: int | None = None) 
     answer is sent again with the same batch id, so the batch it may have leased is not lost. A buffer whose
     next group is larger than `num` raises `GroupSizeMismatchError` at once: waiting cannot fix it.
     Once `min_groups` are in hand, reads stop waiting, and the first one that finds nothing ends the step.
-    A run that cannot deliver raises `RunFailedError` (see `slime_adapter.run_health`)."""
+    A run that cannot deliver raises `RunFailedError` (see `slime_adapter.reading.run_health`)."""
     settings, state, failures = step.settings, step.state, 0
     min_groups = need_groups if min_groups is None else min_groups
     where = f"rollout {step.rollout_id}"
@@ -317,7 +317,7 @@ async def _collect(step: Step, need_groups: int, min_groups: int | None = None) 
 async def generate_agent_rollout(args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False) -> Any:
     """One trainer step (see the module docstring); returns `data_buffer.get_samples(rollout_batch_size)`,
     as `RolloutFnTrainOutput(samples, metrics)` when slime has that class. `evaluation=True` evaluates
-    (`slime_adapter.evaluation.evaluate`) and returns slime's eval output instead.
+    (`slime_adapter.hooks.evaluation.evaluate`) and returns slime's eval output instead.
 
     Groups beyond what the step needs stay in `data_buffer` for the next step. Filtered groups (in
     `meta_info.finished_groups` but not in the data) are still recorded as finished for resume.
