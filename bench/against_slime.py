@@ -60,8 +60,8 @@ def masks(slime_dir: Path, quick: bool) -> dict[str, Any]:
     """Message-path loss masks against slime's real generator, tokens compared conversation by conversation."""
     from bench.sample_building import _rate, make_trajectories
     from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-    from slime_adapter.build import build_samples
-    from slime_adapter.loss_mask import cached_loss_mask_generator
+    from slime_adapter.masks.loss_mask import cached_loss_mask_generator
+    from slime_adapter.samples.build import build_samples
 
     mask_utils = _load(slime_dir, "slime/utils/mask_utils.py", "slime_mask_utils")
     n = 256 if quick else 1024

@@ -50,9 +50,9 @@ def _wait_completed(client: httpx.Client, run_id: str, groups: int, timeout_s: f
 
 
 def _stages_alone(buffer_url: str, args: SimpleNamespace, prompts: int) -> dict[str, float]:
-    from slime_adapter.agent_rollout import build_start_payload, split_groups
-    from slime_adapter.buffer_client import get_rollout_data
-    from slime_adapter.build import build_group_samples
+    from slime_adapter.hooks.agent_rollout import build_start_payload, split_groups
+    from slime_adapter.reading.buffer_client import get_rollout_data
+    from slime_adapter.samples.build import build_group_samples
     from slime_adapter.settings import AgentRolloutSettings
 
     settings = AgentRolloutSettings.from_args(args)
@@ -80,7 +80,7 @@ def _stages_alone(buffer_url: str, args: SimpleNamespace, prompts: int) -> dict[
 
 
 def _end_to_end(args: SimpleNamespace, prompts: int) -> float:
-    from slime_adapter.agent_rollout import generate_rollout, reset_state
+    from slime_adapter.hooks.agent_rollout import generate_rollout, reset_state
 
     reset_state()
     from tests.support.helpers import SlimeLikeDataBuffer

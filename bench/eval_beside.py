@@ -59,7 +59,7 @@ class Trainer(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        from slime_adapter.agent_rollout import generate_rollout
+        from slime_adapter.hooks.agent_rollout import generate_rollout
         from tests.support.helpers import SlimeLikeDataBuffer
 
         buffer = SlimeLikeDataBuffer()
@@ -96,7 +96,7 @@ def _engine(port: int, latency_s: float) -> subprocess.Popen[bytes]:
 def run(quick: bool = False, *, window_s: float | None = None, eval_prompts: int | None = None,
         concurrency: int = 32, latency_s: float = 0.1) -> dict[str, Any]:
     """Returns the measurement as a dict (see the module docstring)."""
-    from slime_adapter.agent_rollout import generate_rollout, reset_state
+    from slime_adapter.hooks.agent_rollout import generate_rollout, reset_state
     from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, free_port, write_jsonl
 
     window_s = window_s or (4.0 if quick else 10.0)

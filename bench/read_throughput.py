@@ -2,7 +2,7 @@
 the records in the client's hands, JSON and packed, against a minimal in-memory buffer in the same run.
 
 Ours: a `rollout-buffer serve` process (embedded Redis) holding the records as ready groups of 8; the
-client is the adapter's own read (the steps of `slime_adapter.buffer_client.fetch_rollout_data`, leased as
+client is the adapter's own read (the steps of `slime_adapter.reading.buffer_client.fetch_rollout_data`, leased as
 the adapter reads), asking for JSON (parsed into lists) or for the packed form (decoded into numpy
 arrays). The time to the whole body (server work and transfer) is reported apart from the client's.
 
@@ -125,7 +125,7 @@ def _timed_read(loop: asyncio.AbstractEventLoop, url: str, read_format: str, run
     reads do: `asyncio.run` in the main thread would format the finished task, hundreds of MB of body
     included, when it puts the SIGINT handler back (CPython's `signal` module), and time that."""
     from rollout_buffer.wire import packed_read
-    from slime_adapter.buffer_client import _decode_answer, _parse_answer, _post
+    from slime_adapter.reading.buffer_client import _decode_answer, _parse_answer, _post
 
     payload: dict[str, Any] = {"wait_s": 0.0, "lease_s": 600.0}
     if run_id is not None:

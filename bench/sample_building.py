@@ -32,8 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-from slime_adapter.build import build_samples
-from slime_adapter.loss_mask import cached_loss_mask_generator
+from slime_adapter.masks.loss_mask import cached_loss_mask_generator
+from slime_adapter.samples.build import build_samples
 
 __all__ = ["GROUP", "PerMessageBaseline", "main", "make_trajectories", "run"]
 

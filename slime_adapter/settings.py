@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_adapter.auth import remember_token, token_from
-from slime_adapter.loss_mask import VERIFY_MODES as LOSS_MASK_VERIFY_MODES
+from slime_adapter.masks.verify import VERIFY_MODES as LOSS_MASK_VERIFY_MODES
 
 __all__ = ["DEFAULT_BUFFER_URL", "DEFAULT_NUM_EPOCH", "FORK_POLICIES", "LOSS_MASK_VERIFY_MODES", "READ_FORMATS",
            "READ_FORMAT_ENV", "AgentRolloutSettings"]
@@ -26,7 +26,7 @@ DEFAULT_NUM_EPOCH = 3
 FORK_POLICIES: tuple[str, ...] = ("last", "all")
 # what the buffer does with a group staler than `max_staleness` (rollout_buffer.runs.policy)
 STALE_POLICIES: tuple[str, ...] = ("requeue", "drop", "keep")
-# how the message path checks its tokens against the chat template: LOSS_MASK_VERIFY_MODES, from loss_mask
+# how the message path checks its tokens against the chat template: LOSS_MASK_VERIFY_MODES, from masks/verify.py
 # the answer form reads ask for: the packed binary form (numpy arrays) or JSON (for debugging)
 READ_FORMATS: tuple[str, ...] = ("packed", "json")
 READ_FORMAT_ENV = "ROLLOUT_BUFFER_READ_FORMAT"
@@ -106,10 +106,10 @@ class AgentRolloutSettings:
     - `loss_mask_type` (`loss_mask_type`): "qwen". Only used for records without `turns`, which are
       re-rendered with the chat template: slime's choices "qwen" (Qwen2.5 ChatML), "qwen3", "qwen3_5"
       (generation prompt ending with `<think>\n`, never trained) and "distill_qwen", or a type added with
-      `slime_adapter.loss_mask.register_loss_mask_type`. Tokens that merge template and generated
+      `slime_adapter.masks.loss_mask.register_loss_mask_type`. Tokens that merge template and generated
       characters get mask 0 and are counted (`metadata["mask_edge_tokens"]`, `rollout/mask_edge_tokens`);
       a conversation the template cannot render exactly is kept with an all-zero mask and flagged
-      (`metadata["mask_refused"]`, `rollout/mask_refused`). See `slime_adapter.loss_mask`.
+      (`metadata["mask_refused"]`, `rollout/mask_refused`). See `slime_adapter.masks.loss_mask`.
     - `n_samples_per_prompt` (`n_samples_per_prompt`): 1. Sent as `num_repeat_per_sample`.
     - `rollout_batch_size` (`rollout_batch_size`): 1. Groups returned per step.
     - `hf_checkpoint` (`hf_checkpoint`): None. Tokenizer path, sent as `tokenizer_path`; without it the
@@ -175,7 +175,7 @@ class AgentRolloutSettings:
       batch. A lease that runs out (the trainer vanished without restarting) gives the groups back to the
       buffer; a restarted trainer ends its predecessor's leases at once (groups its checkpoint holds are
       acknowledged, the rest given back), so a long lease costs nothing. While a batch is held (read, not yet
-      acknowledged) the adapter renews its lease every `lease_s / 3` (`slime_adapter.lease_renewal`).
+      acknowledged) the adapter renews its lease every `lease_s / 3` (`slime_adapter.reading.lease_renewal`).
     - `loss_mask_verify` (`agent_loss_mask_verify`): "cheap". How records without `turns` check their
       re-rendered tokens: "cheap" invariants, "full" (a second `apply_chat_template(tokenize=True)`
       compared token for token, twice the cost), or "off".
@@ -188,7 +188,7 @@ class AgentRolloutSettings:
       so steps stay full, and counted as `rollout/dynamic_filter/drop_<reason>`.
     - `dynamic_filter_path` (slime's `dynamic_sampling_filter_path`): None. slime's filter function, run
       on every group this adapter reads, with slime's signature and `DynamicFilterOutput`
-      (`slime_adapter.dynamic_filter`); `over_sampling_batch_size` (slime's): None, else the groups one
+      (`slime_adapter.hooks.dynamic_filter`); `over_sampling_batch_size` (slime's): None, else the groups one
       read asks for at least; the surplus stays leased for the next step.
     - `routing_replay` (slime's `use_rollout_routing_replay`), `moe_shape` (`num_layers`,
       `moe_router_topk`): the run asks SGLang for routed experts; samples carry them in that shape.

@@ -237,7 +237,7 @@ async def redis_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIt
 @pytest.fixture()
 def logged_metrics(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The `rollout/` metrics each trainer step logs (`generate_rollout` returns them to slime too)."""
-    import slime_adapter.agent_rollout as agent_rollout
+    import slime_adapter.hooks.agent_rollout as agent_rollout
 
     seen: list[dict[str, Any]] = []
     real = agent_rollout.log_raw_info

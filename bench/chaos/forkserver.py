@@ -33,7 +33,7 @@ def _preload() -> None:
     import rollout_buffer.api.app  # noqa: F401
     import rollout_buffer.cli  # noqa: F401
     import rollout_buffer.runtime.worker_main  # noqa: F401
-    import slime_adapter.agent_rollout  # noqa: F401
+    import slime_adapter.hooks.agent_rollout  # noqa: F401
     import bench.chaos.trainer  # noqa: F401
 
 

@@ -1,5 +1,5 @@
 """Every adapter test starts and ends as a fresh trainer process would: no started run, no held leases
-(`slime_adapter.agent_rollout` keeps both in module state across steps)."""
+(`slime_adapter.hooks.agent_rollout` keeps both in module state across steps)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from slime_adapter.agent_rollout import reset_state
+from slime_adapter.hooks.agent_rollout import reset_state
 
 
 @pytest.fixture(autouse=True)

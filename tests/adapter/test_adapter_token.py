@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
-from slime_adapter.agent_rollout import generate_rollout, reset_state
 from slime_adapter.auth import BufferAuthError, auth_headers, remember_token, token_from
-from slime_adapter.buffer_client import fetch_rollout_data
-from slime_adapter.run_health import get_run_detail
+from slime_adapter.hooks.agent_rollout import generate_rollout, reset_state
+from slime_adapter.reading.buffer_client import fetch_rollout_data
+from slime_adapter.reading.run_health import get_run_detail
 from slime_adapter.settings import AgentRolloutSettings
 from tests.support.helpers import REPO, ServerProcess, ServerSpec, make_record, write_jsonl
 

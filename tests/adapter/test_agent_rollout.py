@@ -20,13 +20,13 @@ import pytest
 from aiohttp import web
 
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
-from slime_adapter.agent_rollout import (
+from slime_adapter.hooks.agent_rollout import (
     GroupSizeMismatchError,
     RolloutDataUnavailable,
     SampleBuildError,
     generate_rollout,
 )
-from slime_adapter.sample import Sample
+from slime_adapter.samples.sample import Sample
 from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer, make_record, write_jsonl
 from tests.support.process_tools import wait_for
 

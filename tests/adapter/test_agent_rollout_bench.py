@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.sample_building import PerMessageBaseline, make_trajectories
-from slime_adapter.build import build_samples
+from slime_adapter.samples.build import build_samples
 
 
 def test_baseline_matches_the_message_path_and_turns_do_not_fork(qwen_tokenizer: Any) -> None:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from slime_adapter.agent_rollout import (
+from slime_adapter.hooks.agent_rollout import (
     BufferUnavailableError,
     StartRolloutRejected,
     build_start_payload,
@@ -31,8 +31,8 @@ from slime_adapter.agent_rollout import (
     skip_ids_from_metadata,
     start_rollout,
 )
-from slime_adapter.buffer_client import long_poll_wait_s
-from slime_adapter.build import BuildStats
+from slime_adapter.reading.buffer_client import long_poll_wait_s
+from slime_adapter.samples.build import BuildStats
 from slime_adapter.settings import AgentRolloutSettings
 from tests.support.helpers import ServerProcess, ServerSpec, free_port, make_record, write_jsonl
 
@@ -262,7 +262,7 @@ def _stats() -> BuildStats:
 
 
 def test_log_raw_info_without_wandb(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="slime_adapter.metrics")
+    caplog.set_level("INFO", logger="slime_adapter.hooks.metrics")
     logged = log_raw_info(SimpleNamespace(use_wandb=False), META, 7, _stats())
     assert logged["rollout/no_filter/total_samples"] == 6 and logged["rollout/no_filter/num_groups"] == 3
     assert logged["rollout/no_filter/avg_reward"] == pytest.approx(4 / 6)

@@ -15,8 +15,8 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from slime_adapter.agent_rollout import generate_rollout, get_state, reset_state
-from slime_adapter.sample import Sample
+from slime_adapter.hooks.agent_rollout import generate_rollout, get_state, reset_state
+from slime_adapter.samples.sample import Sample
 from tests.support.helpers import ServerProcess, write_jsonl
 
 ROWS = [{"instance_id": f"q{i}", "prompt": f"What is {i} + {2 * i + 1}?", "label": str(3 * i + 1)} for i in range(12)]
@@ -87,7 +87,7 @@ def wait_all_rolled_out(url: str, run_id: str, expected: int, timeout_s: float =
 def test_two_steps_then_resume_after_a_buffer_restart(
         tmp_path: Path, adapter: None, rollout_engine: Any, qwen_tokenizer_path: str, qwen_tokenizer: Any,
         slime_data_buffer: Any, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="slime_adapter.metrics")
+    caplog.set_level("INFO", logger="slime_adapter.hooks.metrics")
     input_file = write_jsonl(tmp_path / "math.jsonl", ROWS)
     data_dir = tmp_path / "data"
     first = ServerProcess(data_dir).start()

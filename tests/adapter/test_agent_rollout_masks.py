@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from slime_adapter.agent_rollout import generate_rollout
+from slime_adapter.hooks.agent_rollout import generate_rollout
 from tests.adapter.test_agent_rollout import slime_args, write_all
 from tests.support.helpers import ServerProcess, make_record, write_jsonl
 
@@ -63,8 +63,8 @@ def test_edged_and_refused_records_come_back_flagged_and_counted(
 
 
 def test_mask_counts_merge_over_a_step_into_rollout_metrics() -> None:
-    from slime_adapter.build import BuildStats
-    from slime_adapter.metrics import rollout_metrics
+    from slime_adapter.hooks.metrics import rollout_metrics
+    from slime_adapter.samples.build import BuildStats
 
     step = BuildStats()
     for edges, refused in ((3, 0), (0, 1), (2, 0), (0, 1)):

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from slime_adapter.build import build_group_samples, build_samples
-from slime_adapter.collate import collate, extract_response
-from slime_adapter.sample import Sample
+from slime_adapter.samples.build import build_group_samples, build_samples
+from slime_adapter.samples.collate import collate, extract_response
+from slime_adapter.samples.sample import Sample
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "Solve the problem."},
@@ -125,7 +125,7 @@ def test_bad_record_is_rejected(qwen_tokenizer: Any) -> None:
 
 def test_get_tokenizer_loads_once_per_path(qwen_tokenizer: Any) -> None:
     from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
-    from slime_adapter.tokenizers import get_tokenizer
+    from slime_adapter.samples.tokenizers import get_tokenizer
 
     path = str(qwen_tokenizer_dir("qwen2.5"))
     first = get_tokenizer(path)

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from slime_adapter.build import build_samples
+from slime_adapter.samples.build import build_samples
 from tests.adapter.test_slime_fields import GROUP, replay_engine  # noqa: F401
 from tests.support.helpers import ServerProcess, write_jsonl
 from tests.support.runtime_helpers import drain, start_native

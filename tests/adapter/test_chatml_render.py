@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-from slime_adapter.chatml_render import verified_renderer
-from slime_adapter.loss_mask import MultiTurnLossMaskGenerator
+from slime_adapter.masks.chatml_render import verified_renderer
+from slime_adapter.masks.loss_mask import MultiTurnLossMaskGenerator
 from tests.adapter.test_loss_mask_corpus import corpus
 
 

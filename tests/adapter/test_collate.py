@@ -8,8 +8,8 @@ import warnings
 import numpy as np
 import pytest
 
-from slime_adapter.collate import collate, extract_response
-from slime_adapter.sample import Sample, make_sample
+from slime_adapter.samples.collate import collate, extract_response
+from slime_adapter.samples.sample import Sample, make_sample
 
 PAD = 151643
 

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-import slime_adapter.agent_rollout as agent
-from slime_adapter.agent_rollout import generate_rollout, get_state, reset_state
-from slime_adapter.buffer_client import start_rollout
-from slime_adapter.dynamic_filter import Verdict, judge, should_drop
+import slime_adapter.hooks.agent_rollout as agent
+from slime_adapter.hooks.agent_rollout import generate_rollout, get_state, reset_state
+from slime_adapter.hooks.dynamic_filter import Verdict, judge, should_drop
+from slime_adapter.reading.buffer_client import start_rollout
 from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, make_record, write_jsonl
 from tests.support.slime_namespace import slime_namespace
 

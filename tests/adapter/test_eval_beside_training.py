@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from slime_adapter.agent_rollout import generate_rollout
-from slime_adapter.buffer_client import ack_batches, fetch_rollout_data, start_rollout
+from slime_adapter.hooks.agent_rollout import generate_rollout
+from slime_adapter.reading.buffer_client import ack_batches, fetch_rollout_data, start_rollout
 from tests.adapter.test_slime_fields import GROUP, fields_args
 from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, write_jsonl
 from tests.support.process_tools import wait_for

@@ -13,18 +13,18 @@ from typing import Any
 
 import pytest
 
-from slime_adapter.loss_mask import (
+from slime_adapter.masks.control_tokens import cut_tokens
+from slime_adapter.masks.loss_mask import (
     CharSpan,
     ChatMLSpanLocator,
     LossMaskError,
     MultiTurnLossMaskGenerator,
-    _cut_tokens,
     cached_loss_mask_generator,
     get_loss_mask_generator,
     loss_mask_types,
     register_loss_mask_type,
 )
-from slime_adapter.token_spans import SpanTokens, mask_from_offsets, token_ranges
+from slime_adapter.masks.token_spans import SpanTokens, mask_from_offsets, token_ranges
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -470,8 +470,8 @@ def test_cut_tokens_exclude_tokens_that_strip_or_hide_inside_others() -> None:
         1: added("<a>"), 2: added("<b>", rstrip=True), 3: added("<c>"), 4: added("x<c>y"), 5: added("<d>", lstrip=True),
         6: added("<e>", normalized=True),
     })
-    assert _cut_tokens(tok, [("<a>", 1), ("<b>", 2), ("<c>", 3), ("<d>", 5), ("<e>", 6)]) == ("<a>",)
-    assert _cut_tokens(SimpleNamespace(), [("<a>", 1)]) == ()
+    assert cut_tokens(tok, [("<a>", 1), ("<b>", 2), ("<c>", 3), ("<d>", 5), ("<e>", 6)]) == ("<a>",)
+    assert cut_tokens(SimpleNamespace(), [("<a>", 1)]) == ()
 
 
 @pytest.mark.parametrize("case", sorted(CORPUS))

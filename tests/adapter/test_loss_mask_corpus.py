@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-from slime_adapter.build import build_samples
+from slime_adapter.samples.build import build_samples
 
 SEED = 1729
 CONVERSATIONS = 240

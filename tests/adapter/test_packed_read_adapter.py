@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from rollout_buffer.wire import packed_read
 from rollout_buffer.wire.schema import Turn
-from slime_adapter.agent_rollout import generate_rollout, reset_state
-from slime_adapter.buffer_client import fetch_rollout_data, read_format_default
-from slime_adapter.build import build_samples
+from slime_adapter.hooks.agent_rollout import generate_rollout, reset_state
+from slime_adapter.reading.buffer_client import fetch_rollout_data, read_format_default
+from slime_adapter.samples.build import build_samples
+from slime_adapter.samples.token_path import build_token_pieces
 from slime_adapter.settings import AgentRolloutSettings
-from slime_adapter.token_path import build_token_pieces
 from tests.support.helpers import ServerProcess, make_record, write_jsonl
 from tests.support.trajectories import forked_trajectory, plain, tool_trajectory
 

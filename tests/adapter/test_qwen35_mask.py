@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
-from slime_adapter.loss_mask import MultiTurnLossMaskGenerator
-from slime_adapter.span_locators import LossMaskError, Qwen35SpanLocator, normalize_tool_call_arguments
+from slime_adapter.masks.loss_mask import MultiTurnLossMaskGenerator
+from slime_adapter.masks.span_locators import LossMaskError, Qwen35SpanLocator, normalize_tool_call_arguments
 
 
 @pytest.fixture(scope="module")

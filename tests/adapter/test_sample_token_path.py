@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from slime_adapter.build import build_samples
-from slime_adapter.sample import Sample, make_sample, sample_field_names, status_from_record
-from slime_adapter.token_path import build_token_pieces
+from slime_adapter.samples.build import build_samples
+from slime_adapter.samples.sample import Sample, make_sample, sample_field_names, status_from_record
+from slime_adapter.samples.token_path import build_token_pieces
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
 USER = {"role": "user", "content": "Say hello, then add 2 and 3."}
@@ -166,7 +166,7 @@ def test_status_mapping_and_sample_fields() -> None:
 def test_mask_offpolicy_trains_only_the_newest_versions_tokens() -> None:
     """slime's --mask-offpolicy-in-partial-rollout on the token path: tokens a newer policy version did not
     generate get mask 0, per token where a turn was aborted and continued (version_spans)."""
-    from slime_adapter.token_path import build_token_pieces
+    from slime_adapter.samples.token_path import build_token_pieces
 
     turns = [
         {"prompt_ids": [1, 2], "output_ids": [3, 4], "weight_version": "3"},

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from slime_adapter.buffer_client import build_start_payload
-from slime_adapter.evaluation import (
+from slime_adapter.hooks.evaluation import (
     EvalDataset,
     dataset_result,
     eval_datasets,
@@ -20,8 +19,9 @@ from slime_adapter.evaluation import (
     eval_run_id,
     start_payload,
 )
-from slime_adapter.outputs import eval_output, slime_outputs_available, train_output
-from slime_adapter.run_health import RunHealth, describe_run, exhausted_reason
+from slime_adapter.hooks.outputs import eval_output, slime_outputs_available, train_output
+from slime_adapter.reading.buffer_client import build_start_payload
+from slime_adapter.reading.run_health import RunHealth, describe_run, exhausted_reason
 from slime_adapter.settings import AgentRolloutSettings
 from tests.support.slime_namespace import DAPO_OVERRIDES, install_slime_base_types, slime_namespace
 

@@ -16,7 +16,7 @@ import pytest
 
 from rollout_buffer.tasks.builtin.math_generator import INSTRUCTION
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
-from slime_adapter.agent_rollout import (
+from slime_adapter.hooks.agent_rollout import (
     RolloutDataUnavailable,
     RunFailedError,
     StartRolloutRejected,
@@ -24,7 +24,7 @@ from slime_adapter.agent_rollout import (
     get_state,
     start_rollout,
 )
-from slime_adapter.sample import Sample
+from slime_adapter.samples.sample import Sample
 from tests.adapter.test_slime_inputs_e2e import WEATHER_TOOL, dapo_rows
 from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, write_jsonl
 from tests.support.slime_namespace import DAPO_OVERRIDES, install_slime_base_types, slime_namespace
@@ -208,7 +208,7 @@ def test_evaluation_returns_slimes_shape_and_leaves_training_alone(runtime_serve
                                                                    rollout_engine: Any, qwen_tokenizer_path: str,
                                                                    tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="slime_adapter.evaluation")
+    caplog.set_level("INFO", logger="slime_adapter.hooks.evaluation")
     train = write_jsonl(tmp_path / "train.jsonl", dapo_rows(6))
     aime = write_jsonl(tmp_path / "aime.jsonl", [{**row, "instance_id": 10 - i} for i, row in enumerate(dapo_rows(3))])
     qa = write_jsonl(tmp_path / "qa.jsonl", eval_rows(11))

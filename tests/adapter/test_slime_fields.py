@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from rollout_buffer.runtime.records import failure_record
-from slime_adapter.agent_rollout import generate_rollout
-from slime_adapter.build import build_samples
-from slime_adapter.sample import Sample
+from slime_adapter.hooks.agent_rollout import generate_rollout
+from slime_adapter.samples.build import build_samples
+from slime_adapter.samples.sample import Sample
 from tests.support.helpers import ServerProcess, make_record, write_jsonl
 from tests.support.slime_fields import check_sample_fields
 from tests.support.slime_namespace import slime_namespace
@@ -106,7 +106,7 @@ def test_partial_rollout_marks_records_continued_across_an_update(external_buffe
         rollout_batch_size=1, num_epoch=1, hf_checkpoint=str(qwen_tokenizer_dir("qwen2.5")),
         agent_rollout_run_id=run_id, agent_fetch_timeout_s=2.0, agent_fetch_backoff_s=0.05,
         fetch_trajectory_retry_times=3, partial_rollout=True, mask_offpolicy_in_partial_rollout=True)
-    from slime_adapter.buffer_client import start_rollout
+    from slime_adapter.reading.buffer_client import start_rollout
 
     start_rollout(external_buffer.url, args, {})
     turn = {"prompt_ids": [1, 2, 3], "output_ids": [4, 5, 6], "output_logprobs": [-0.1, -0.2, -0.3],

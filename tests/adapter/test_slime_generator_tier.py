@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from slime_adapter.agent_rollout import reset_state
+from slime_adapter.hooks.agent_rollout import reset_state
 from tests.support.helpers import REPO, ServerProcess, SlimeLikeDataBuffer, write_jsonl
 from tests.support.process_tools import all_gone, children
 from tests.support.slime_namespace import slime_namespace

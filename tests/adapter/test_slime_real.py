@@ -25,9 +25,9 @@ import numpy as np
 import orjson
 import pytest
 
-from slime_adapter.agent_rollout import generate_rollout, reset_state
-from slime_adapter.build import build_group_samples
-from slime_adapter.buffer_client import start_rollout
+from slime_adapter.hooks.agent_rollout import generate_rollout, reset_state
+from slime_adapter.reading.buffer_client import start_rollout
+from slime_adapter.samples.build import build_group_samples
 from tests.adapter.test_dynamic_filter import args_for, write_groups
 from tests.adapter.test_slime_fields import GROUP, MOE, TOOL_S, fields_args, replay_engine  # noqa: F401
 from tests.support.helpers import ServerProcess, SlimeLikeDataBuffer, write_jsonl
@@ -115,7 +115,7 @@ def test_samples_equal_what_slime_builds_from_the_same_engine_calls(slime: Any, 
 
 def test_slimes_own_nonzero_std_filter_by_its_path(slime: Any, external_buffer: ServerProcess, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import slime_adapter.agent_rollout as agent
+    import slime_adapter.hooks.agent_rollout as agent
 
     run_id = f"real-dyn-{time.monotonic_ns()}"
     path = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from slime_adapter.buffer_client import staleness_fields
-from slime_adapter.evaluation import EvalDataset, start_payload
-from slime_adapter.metrics import rollout_metrics
+from slime_adapter.hooks.evaluation import EvalDataset, start_payload
+from slime_adapter.hooks.metrics import rollout_metrics
+from slime_adapter.reading.buffer_client import staleness_fields
 from slime_adapter.settings import AgentRolloutSettings
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from slime_adapter.build import build_group_samples
+from slime_adapter.samples.build import build_group_samples
 from tests.support.agents import sandbox_root, start_agent_run
 from rollout_buffer.agents.bwrap import DEFAULT_ROOT
 from tests.support.claude_code import install_claude_code, readable_by_any_uid

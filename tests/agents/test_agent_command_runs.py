@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slime_adapter.build import build_group_samples
+from slime_adapter.samples.build import build_group_samples
 from tests.support.agents import SDK_AGENT, sandbox_root, start_agent_run
 from tests.support.gateway import assert_one_branch, assert_turns_are_engine_calls, engine_calls_of
 from tests.support.helpers import REPO, ServerProcess, ServerSpec

@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import pytest
 
-from slime_adapter.build import build_group_samples
+from slime_adapter.samples.build import build_group_samples
 from tests.support.gateway import (
     CALCULATOR,
     anthropic_tool_loop,

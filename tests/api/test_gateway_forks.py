@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from slime_adapter.build import build_samples
-from slime_adapter.metrics import rollout_metrics
+from slime_adapter.hooks.metrics import rollout_metrics
+from slime_adapter.samples.build import build_samples
 from tests.support.gateway import (
     CALCULATOR,
     assert_turns_are_engine_calls,

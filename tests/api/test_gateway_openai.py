@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from slime_adapter.buffer_client import ack_batches, fetch_rollout_data
-from slime_adapter.build import build_group_samples
+from slime_adapter.reading.buffer_client import ack_batches, fetch_rollout_data
+from slime_adapter.samples.build import build_group_samples
 from tests.support.backends import CLUSTER_BACKENDS
 from tests.support.gateway import (
     CALCULATOR,

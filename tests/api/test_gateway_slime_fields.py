@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from slime_adapter.buffer_client import ack_batches, fetch_rollout_data
-from slime_adapter.build import build_group_samples
+from slime_adapter.reading.buffer_client import ack_batches, fetch_rollout_data
+from slime_adapter.samples.build import build_group_samples
 from tests.support.gateway import finish, new_session, start_external
 from tests.support.helpers import ServerSpec
 from tests.support.slime_fields import check_sample_fields

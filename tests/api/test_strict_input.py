@@ -112,7 +112,7 @@ def test_long_polls_and_leases_are_bounded(client: httpx.Client) -> None:
 
 
 def test_the_adapters_long_poll_fits_the_bound() -> None:
-    from slime_adapter.buffer_client import long_poll_wait_s
+    from slime_adapter.reading.buffer_client import long_poll_wait_s
 
     assert long_poll_wait_s(100.0) == 60.0 and long_poll_wait_s(10.0) == 8.0
 

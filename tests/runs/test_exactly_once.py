@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from slime_adapter.agent_rollout import generate_rollout, get_state, reset_state
+from slime_adapter.hooks.agent_rollout import generate_rollout, get_state, reset_state
 from tests.support.faults import FaultProxy, LeasedReader, RetryingWriter, start_daemon
 from tests.support.helpers import ServerProcess, make_record, start_run, write_jsonl
 from tests.support.runtime_helpers import arithmetic_rows

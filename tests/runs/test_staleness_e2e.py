@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from slime_adapter.agent_rollout import generate_rollout, get_state, reset_state
-from slime_adapter.build import build_samples
+from slime_adapter.hooks.agent_rollout import generate_rollout, get_state, reset_state
+from slime_adapter.samples.build import build_samples
 from tests.support.helpers import ServerProcess
 from tests.support.runtime_helpers import arithmetic_rows, run_detail, start_native, wait_status, write_rows
 from tests.support.slime_namespace import install_slime_base_types, slime_namespace

@@ -14,19 +14,17 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rollout_buffer.tasks.chat_format import parse_assistant_text
+from rollout_buffer.testing.engine.core import Engine
 from rollout_buffer.testing.engine.http_server import BadRequest
 from rollout_buffer.testing.engine.output import Result
 from rollout_buffer.testing.engine.policy import stable_seed
 from rollout_buffer.testing.engine.replay import replay_meta
 
-if TYPE_CHECKING:
-    from rollout_buffer.testing.engine.server import TestEngine
 
-
-async def build_chat(engine: TestEngine, body: dict[str, Any], fault: str) -> Any:
+async def build_chat(engine: Engine, body: dict[str, Any], fault: str) -> Any:
     """The answer body of one chat completion request (`n` choices of one rendered prompt)."""
     if body.get("stream"):
         raise BadRequest("streaming is not supported by the test engine")
@@ -82,7 +80,7 @@ async def build_chat(engine: TestEngine, body: dict[str, Any], fault: str) -> An
     return payload
 
 
-def _render(engine: TestEngine, body: dict[str, Any]) -> list[int]:
+def _render(engine: Engine, body: dict[str, Any]) -> list[int]:
     """The prompt's token ids: the messages through the chat template, then the engine's encoder."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from rollout_buffer.testing.engine.chat import build_chat
+from rollout_buffer.testing.engine.core import Engine
 from rollout_buffer.testing.engine.faults import Fault
 from rollout_buffer.testing.engine.generate import build_generate
 from rollout_buffer.testing.engine.http_server import BadRequest, Handler, Request, Streamed, json_response, read_json
 
-if TYPE_CHECKING:
-    from rollout_buffer.testing.engine.server import TestEngine
 
-Endpoint = Callable[["TestEngine", Request], Awaitable[web.Response]]
+Endpoint = Callable[[Engine, Request], Awaitable[web.Response]]
 
 
-def routes(engine: TestEngine) -> dict[str, dict[str, Handler]]:
+def routes(engine: Engine) -> dict[str, dict[str, Handler]]:
     """path -> method -> handler, bound to one engine."""
     get, post = "GET", "POST"
     sglang: list[tuple[str, str, Endpoint]] = [
@@ -55,7 +54,7 @@ def routes(engine: TestEngine) -> dict[str, dict[str, Handler]]:
     return table
 
 
-def _counted(engine: TestEngine, endpoint: Endpoint) -> Handler:
+def _counted(engine: Engine, endpoint: Endpoint) -> Handler:
     """The endpoint, counted in the stats; a BadRequest it raises answers 400 with SGLang's error shape."""
 
     async def handler(request: Request) -> web.Response:
@@ -68,24 +67,24 @@ def _counted(engine: TestEngine, endpoint: Endpoint) -> Handler:
     return handler
 
 
-async def _generate(engine: TestEngine, request: Request) -> web.Response | Streamed:
+async def _generate(engine: Engine, request: Request) -> web.Response | Streamed:
     return await engine.serve_generation(request, build_generate)
 
 
-async def _chat(engine: TestEngine, request: Request) -> web.Response:
+async def _chat(engine: Engine, request: Request) -> web.Response:
     return await engine.serve_generation(request, build_chat)
 
 
-async def _health(engine: TestEngine, request: Request) -> web.Response:
+async def _health(engine: Engine, request: Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def _health_generate(engine: TestEngine, request: Request) -> web.Response:
+async def _health_generate(engine: Engine, request: Request) -> web.Response:
     await engine.generate_one(engine.codec.encode("ping"), {"max_new_tokens": 1}, None, Fault.NONE)
     return web.Response(status=200)
 
 
-def model_info(engine: TestEngine) -> dict[str, Any]:
+def model_info(engine: Engine) -> dict[str, Any]:
     return {
         "model_path": engine.model_path,
         "tokenizer_path": engine.tokenizer_path,
@@ -98,11 +97,11 @@ def model_info(engine: TestEngine) -> dict[str, Any]:
     }
 
 
-async def _model_info(engine: TestEngine, request: Request) -> web.Response:
+async def _model_info(engine: Engine, request: Request) -> web.Response:
     return json_response(model_info(engine))
 
 
-async def _server_info(engine: TestEngine, request: Request) -> web.Response:
+async def _server_info(engine: Engine, request: Request) -> web.Response:
     info = {
         **model_info(engine),
         "version": "test-engine",
@@ -113,12 +112,12 @@ async def _server_info(engine: TestEngine, request: Request) -> web.Response:
     return json_response(info)
 
 
-async def _models(engine: TestEngine, request: Request) -> web.Response:
+async def _models(engine: Engine, request: Request) -> web.Response:
     model = {"id": engine.model_path, "object": "model", "created": 0, "owned_by": "sglang", "root": engine.model_path}
     return json_response({"object": "list", "data": [model]})
 
 
-async def _abort(engine: TestEngine, request: Request) -> web.Response:
+async def _abort(engine: Engine, request: Request) -> web.Response:
     body = await read_json(request)
     if body.get("abort_all"):
         engine.inflight.abort(None, "Abort all requests")
@@ -127,7 +126,7 @@ async def _abort(engine: TestEngine, request: Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def _update_weight_version(engine: TestEngine, request: Request) -> web.Response:
+async def _update_weight_version(engine: Engine, request: Request) -> web.Response:
     body = await read_json(request)
     version = body.get("new_version")
     if version is None:
@@ -140,37 +139,36 @@ async def _update_weight_version(engine: TestEngine, request: Request) -> web.Re
     )
 
 
-async def _flush_cache(engine: TestEngine, request: Request) -> web.Response:
+async def _flush_cache(engine: Engine, request: Request) -> web.Response:
     return web.Response(status=200, text="Cache flushed.")
 
 
-async def _stats(engine: TestEngine, request: Request) -> web.Response:
+async def _stats(engine: Engine, request: Request) -> web.Response:
     return json_response(engine.stats_dict())
 
 
-async def _calls(engine: TestEngine, request: Request) -> web.Response:
+async def _calls(engine: Engine, request: Request) -> web.Response:
     """The engine's log of generations (reset with the stats): each `{rid, routing_key, prompt_ids,
     output_ids, output_logprobs}`, so a test can check recorded turns against what the engine really did."""
     return json_response(engine.call_log())
 
 
-async def _routing_keys(engine: TestEngine, request: Request) -> web.Response:
+async def _routing_keys(engine: Engine, request: Request) -> web.Response:
     """Generation requests per `X-SMG-Routing-Key` value (reset with the stats): where a router sent each
     session's turns."""
-    with engine._lock:
-        return json_response(dict(engine.routing_keys))
+    return json_response(engine.routing_key_counts())
 
 
-async def _reset_stats(engine: TestEngine, request: Request) -> web.Response:
+async def _reset_stats(engine: Engine, request: Request) -> web.Response:
     engine.reset_stats()
     return json_response({"success": True})
 
 
-async def _get_config(engine: TestEngine, request: Request) -> web.Response:
+async def _get_config(engine: Engine, request: Request) -> web.Response:
     return json_response(engine.config.as_dict())
 
 
-async def _set_config(engine: TestEngine, request: Request) -> web.Response:
+async def _set_config(engine: Engine, request: Request) -> web.Response:
     try:
         engine.configure(**await read_json(request))
     except (BadRequest, ValueError, TypeError) as exc:

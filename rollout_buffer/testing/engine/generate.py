@@ -9,18 +9,16 @@ and the replay fields of `replay.py`.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from rollout_buffer.testing.engine.core import Engine
 from rollout_buffer.testing.engine.http_server import BadRequest
 from rollout_buffer.testing.engine.output import Result
 from rollout_buffer.testing.engine.replay import replay_meta
 from rollout_buffer.testing.engine.stream import stream_generate
 
-if TYPE_CHECKING:
-    from rollout_buffer.testing.engine.server import TestEngine
 
-
-async def build_generate(engine: TestEngine, body: dict[str, Any], fault: str) -> Any:
+async def build_generate(engine: Engine, body: dict[str, Any], fault: str) -> Any:
     """The answer body of one `/generate` request (a list for a batch)."""
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):

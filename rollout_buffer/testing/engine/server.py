@@ -14,7 +14,6 @@ import random
 import socket
 import threading
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -23,6 +22,7 @@ from aiohttp import web
 from rollout_buffer.testing.engine.answers import Responder
 from rollout_buffer.testing.engine.codec import codec_for
 from rollout_buffer.testing.engine.config import EngineConfig
+from rollout_buffer.testing.engine.core import Build
 from rollout_buffer.testing.engine.endpoints import routes
 from rollout_buffer.testing.engine.faults import ABORT_MESSAGE, Fault, FaultInjector
 from rollout_buffer.testing.engine.http_server import (
@@ -46,7 +46,6 @@ from rollout_buffer.testing.engine.replay import PrefixCache
 from rollout_buffer.testing.engine.stats import EngineStats
 from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
 
-Build = Callable[["TestEngine", dict[str, Any], str], Awaitable[Any]]
 ENGINE_ID_HEADER = "X-Test-Engine-Id"
 CALL_LOG_SIZE = 2_048  # generations kept in the call log (the oldest go first)
 
@@ -55,7 +54,7 @@ CONSTRAINTS = ("json_schema", "ebnf", "regex")  # structured-output parameters, 
 
 
 class TestEngine:
-    """SGLang-compatible HTTP server for tests (see the package docstring).
+    """SGLang-compatible HTTP server for tests (see the package docstring); implements `core.Engine`.
 
     `engine_id` names this instance (in `/get_model_info`, `/_test/stats` and the `X-Test-Engine-Id` header
     of every answer), so a test behind a router can tell engines apart; by default it is the bound
@@ -171,6 +170,11 @@ class TestEngine:
         """A copy of the log of generations (see `calls`)."""
         with self._lock:
             return list(self.calls)
+
+    def routing_key_counts(self) -> dict[str, int]:
+        """Generation requests per `X-SMG-Routing-Key` value since the last reset."""
+        with self._lock:
+            return dict(self.routing_keys)
 
     def count_endpoint(self, path: str) -> None:
         with self._lock:

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from rollout_buffer.testing.engine.core import Engine
 from rollout_buffer.testing.engine.http_server import BadRequest, Streamed
 from rollout_buffer.testing.engine.output import output_text
 
-if TYPE_CHECKING:
-    from rollout_buffer.testing.engine.server import TestEngine
 
 DISCONNECTED = "the client disconnected"
 
@@ -31,7 +30,7 @@ def _event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def stream_generate(engine: TestEngine, body: dict[str, Any], params: dict[str, Any]) -> Streamed:
+def stream_generate(engine: Engine, body: dict[str, Any], params: dict[str, Any]) -> Streamed:
     """The streamed answer of one single-prompt `/generate` request."""
     prompt = body.get("input_ids")
     if prompt is None and isinstance(body.get("text"), str):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from itertools import islice
 from operator import le
 
-from slime_adapter.span_locators import CharSpan, LossMaskError
+from slime_adapter.masks.span_locators import CharSpan, LossMaskError
 
 __all__ = ["SpanTokens", "mask_from_offsets", "token_ranges", "is_sorted"]
 

@@ -1,10 +1,10 @@
 """Message path: tokens and loss mask re-derived from chat messages (the fallback when `turns` are absent).
 
 The conversation is rendered once to text with the tokenizer's own chat template and tokenized once with
-character offsets. A span locator (`slime_adapter.span_locators`, one per template type) says where each
+character offsets. A span locator (`slime_adapter.masks.span_locators`, one per template type) says where each
 assistant message's generated text sits in that rendering (after the assistant header, through the
 end-of-turn token); those character spans become token spans through the offsets under one rule
-(`slime_adapter.token_spans`): a token trains only if every character of it is generated text. A token
+(`slime_adapter.masks.token_spans`): a token trains only if every character of it is generated text. A token
 that merges template and generated characters (e.g. the header's `\\n` and a generated leading `\\n` as one
 `\\n\\n` token) is an *edge token*: mask 0, counted in `Encoding.edge_tokens`. A token straddling the start
 of the first assistant span belongs to the prompt: the response begins at the first token that starts at
@@ -35,9 +35,9 @@ of that is re-checked:
 Refusal: `encode` raises `LossMaskError` (or the template's own error) for input that is not a chat this
 template renders: text that does not parse as its structure (template control tokens inside message
 text), a rendering that raises (a role the template rejects), a failed check. The sample builder never
-lets that out: `slime_adapter.message_path` turns it into a refused, zero-mask sample.
+lets that out: `slime_adapter.samples.message_path` turns it into a refused, zero-mask sample.
 
-Compiled rendering (`slime_adapter.chatml_render`): where the tokenizer's template is a ChatML template of
+Compiled rendering (`slime_adapter.masks.chatml_render`): where the tokenizer's template is a ChatML template of
 the Qwen2.5 family, a compiled renderer checked character for character against the Jinja template on a
 probe corpus when the generator is built writes the text instead (Jinja stays the renderer for any template
 that differs, and for any conversation outside what was checked).
@@ -58,10 +58,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from slime_adapter.chatml_render import ChatMLRenderer, verified_renderer
-from slime_adapter.span_locators import (
+from slime_adapter.masks.chatml_render import ChatMLRenderer, verified_renderer
+from slime_adapter.masks.control_tokens import added_control_ids, cut_tokens
+from slime_adapter.masks.span_locators import (
     AssistantSpanLocator,
     CharSpan,
     ChatMLSpanLocator,
@@ -74,7 +75,8 @@ from slime_adapter.span_locators import (
     loss_mask_types,
     register_loss_mask_type,
 )
-from slime_adapter.token_spans import SpanTokens, is_sorted, mask_from_offsets, token_ranges
+from slime_adapter.masks.token_spans import SpanTokens, is_sorted, mask_from_offsets, token_ranges
+from slime_adapter.masks.verify import VERIFY_MODES, VerifyMode, verify_mode
 
 __all__ = [
     "LossMaskError",
@@ -96,55 +98,11 @@ __all__ = [
 
 Message = dict[str, Any]
 _Block = tuple[list[int], list[int], list[int]]  # a block's ids, and char starts and ends within it
-VerifyMode = Literal["cheap", "full", "off"]
-VERIFY_MODES: tuple[str, ...] = ("cheap", "full", "off")
 
 
 def get_loss_mask_generator(name: str, tokenizer: Any, **kwargs: Any) -> "MultiTurnLossMaskGenerator":
     """A generator for template type `name` (built in or registered)."""
     return MultiTurnLossMaskGenerator(tokenizer, tokenizer_type=name, **kwargs)
-
-
-def _verify_mode(verify: bool | str | None) -> str:
-    """`True` keeps its old meaning (the full re-render), `False`/`None` mean "off"."""
-    if verify is True:
-        return "full"
-    if verify is False or verify is None:
-        return "off"
-    if verify in VERIFY_MODES:
-        return str(verify)
-    raise ValueError(f"verify must be one of {VERIFY_MODES} (or a bool), got {verify!r}")
-
-
-def _added_control_ids(tokenizer: Any, names: Sequence[str]) -> tuple[tuple[str, int], ...]:
-    """`(text, id)` of each control string that is an added token matched wherever it occurs."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None)
-    if not isinstance(decoder, dict):
-        return ()
-    by_content = {getattr(tok, "content", str(tok)): (i, tok) for i, tok in decoder.items()}
-    found = []
-    for name in dict.fromkeys(names):
-        hit = by_content.get(name)
-        if hit is not None and not getattr(hit[1], "single_word", False):
-            found.append((name, int(hit[0])))
-    return tuple(found)
-
-
-def _cut_tokens(tokenizer: Any, control_ids: Sequence[tuple[str, int]]) -> tuple[str, ...]:
-    """Control tokens after which the text can be cut without changing its tokenization."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None)
-    if not isinstance(decoder, dict):
-        return ()
-    contents = [getattr(tok, "content", str(tok)) for tok in decoder.values()]
-    usable = []
-    for name, token_id in control_ids:
-        tok = decoder.get(token_id)
-        if tok is None or any(getattr(tok, flag, True) for flag in ("lstrip", "rstrip", "normalized")):
-            continue  # it could take whitespace from the other side, or match only after normalizing
-        if any(name in other and other != name for other in contents):
-            continue  # a longer added token could swallow it in the whole text
-        usable.append(name)
-    return tuple(usable)
 
 
 @dataclass(frozen=True)
@@ -183,14 +141,14 @@ class MultiTurnLossMaskGenerator:
         self.tokenizer = tokenizer
         self.tokenizer_type = tokenizer_type
         self.locator = locator_cls()
-        self.verify: str = _verify_mode(verify)
+        self.verify: str = verify_mode(verify)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.end_token_id: int = tokenizer.convert_tokens_to_ids(locator_cls.end_token)
         # the Rust tokenizer behind a fast tokenizer: calling it directly skips ~0.1 ms of Python per call
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
-        self._control_ids = _added_control_ids(tokenizer, locator_cls.control_tokens())
+        self._control_ids = added_control_ids(tokenizer, locator_cls.control_tokens())
         self._end_is_added = any(name == locator_cls.end_token for name, _ in self._control_ids)
-        self._cut_tokens = _cut_tokens(tokenizer, self._control_ids)
+        self._cut_tokens = cut_tokens(tokenizer, self._control_ids)
         #: rendered blocks kept tokenized (0: no cache, every text tokenized whole); may be changed any time
         self.block_cache_size = max(0, int(block_cache_size))
         # block text -> (ids, char starts, char ends) relative to the block; least recently used evicted
@@ -418,7 +376,7 @@ _GENERATORS_MAX = 32
 def cached_loss_mask_generator(name: str, tokenizer: Any, verify: bool | str = "cheap") -> MultiTurnLossMaskGenerator:
     """One generator per (tokenizer, template type, verify mode): building samples record by record
     then resolves control-token ids and added-token tables once, not per record."""
-    mode = _verify_mode(verify)
+    mode = verify_mode(verify)
     cls = locator_class(name)
     key = (id(tokenizer), name, cls, mode)
     hit = _GENERATORS.get(key)

@@ -3,7 +3,7 @@
 A locator reads the rendered conversation (text, not tokens) and returns one character span per assistant
 message, from the first character the policy generated through its end-of-turn token. Text that does not
 parse as the template's structure raises `LossMaskError`: the conversation is then not a chat this
-template produced, and the message path refuses it (see `slime_adapter.loss_mask`).
+template produced, and the message path refuses it (see `slime_adapter.masks.loss_mask`).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ numpy arrays) go through it without a Python object per token until the Sample's
 message path re-renders the messages with the chat template (mask_source "retokenized") and is only as
 exact as that rendering; the sample's metadata says which one produced it. On the message path,
 `metadata["mask_edge_tokens"]` counts the tokens that merge template and generated characters and
-therefore got mask 0 (the edge rule of `slime_adapter.token_spans`), and a conversation that is not a chat
+therefore got mask 0 (the edge rule of `slime_adapter.masks.token_spans`), and a conversation that is not a chat
 the template renders exactly is kept with an all-zero loss mask, flagged in `metadata["mask_refused"]`
 (the reason) and `remove_sample`, and counted (`BuildStats.mask_refused`); it never raises (see
-`slime_adapter.message_path`).
+`slime_adapter.samples.message_path`).
 
 A token-path record whose history forks yields one piece per fork. `fork_policy` says what the trainer
 receives: "all" keeps every piece (trainers that accept uneven groups); "last" keeps only the last piece,
@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 from rollout_buffer.wire.schema import TrajectoryRecord
-from slime_adapter.loss_mask import cached_loss_mask_generator
-from slime_adapter.message_path import build_message_path_sample
-from slime_adapter.replay import PieceReplay, piece_replay
-from slime_adapter.sample import make_sample, status_from_record
+from slime_adapter.masks.loss_mask import cached_loss_mask_generator
+from slime_adapter.samples.message_path import build_message_path_sample
+from slime_adapter.samples.replay import PieceReplay, piece_replay
+from slime_adapter.samples.sample import make_sample, status_from_record
+from slime_adapter.samples.token_path import build_token_pieces
 from slime_adapter.settings import FORK_POLICIES
-from slime_adapter.token_path import build_token_pieces
 
 __all__ = ["FORK_POLICIES", "BuildStats", "TokenizerGetter", "build_samples", "build_group_samples"]
 
@@ -169,7 +169,7 @@ def _base_fields(record: TrajectoryRecord, status: str, mask_source: str, group_
 
 
 def replay_fields(replay: PieceReplay, moe_shape: tuple[int, int] | None, meta: dict[str, Any]) -> dict[str, Any]:
-    """The Sample fields slime fills from `meta_info` (see `slime_adapter.replay`); problems go to `meta`."""
+    """The Sample fields slime fills from `meta_info` (see `slime_adapter.samples.replay`); problems go to `meta`."""
     fields: dict[str, Any] = {"prefix_cache_info": replay.prefix_cache()}
     spec = replay.spec()
     if spec is not None:
@@ -313,7 +313,7 @@ def build_samples(
     `tokenizer_getter()` is called only on the message path, so token-path records never load one (a
     getter that fails, e.g. no tokenizer configured, raises: that is configuration, not data). `verify` is
     the message path's check of its tokens against the chat template ("cheap", "full", "off"; see
-    `slime_adapter.loss_mask`). A message-path conversation that cannot be rendered exactly never raises:
+    `slime_adapter.masks.loss_mask`). A message-path conversation that cannot be rendered exactly never raises:
     it comes back refused (module docstring).
     """
     _check_fork_policy(fork_policy)

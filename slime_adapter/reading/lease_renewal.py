@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from slime_adapter.buffer_client import ack_batches
+from slime_adapter.reading.buffer_client import ack_batches
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from slime_adapter.build import BuildStats
+from slime_adapter.samples.build import BuildStats
 from slime_adapter.settings import AgentRolloutSettings
 
 __all__ = ["aggregate_meta_info", "log_raw_info", "rollout_metrics", "rollout_step"]
@@ -96,7 +96,7 @@ def rollout_step(settings: AgentRolloutSettings, rollout_id: int) -> int:
 def rollout_metrics(all_meta_info: Sequence[dict[str, Any]], stats: BuildStats | None = None,
                     filter_drops: dict[str, int] | None = None) -> dict[str, Any]:
     """The `rollout/...` dict of one step (without the step key); `filter_drops` (the adapter's dynamic
-    filter, `slime_adapter.dynamic_filter`) add to the buffer's drops of the same names."""
+    filter, `slime_adapter.hooks.dynamic_filter`) add to the buffer's drops of the same names."""
     agg = aggregate_meta_info(all_meta_info)
     out: dict[str, Any] = {
         "rollout/no_filter/total_samples": agg["total_samples"],

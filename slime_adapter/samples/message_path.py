@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slime_adapter.loss_mask import MultiTurnLossMaskGenerator
+from slime_adapter.masks.loss_mask import MultiTurnLossMaskGenerator
 
 __all__ = ["MessagePathSample", "build_message_path_sample", "placeholder_id"]
 

@@ -45,7 +45,9 @@ from typing import Any
 
 import aiohttp
 
-from slime_adapter.buffer_client import (
+from slime_adapter.hooks.metrics import rollout_step
+from slime_adapter.hooks.outputs import eval_output, slime_outputs_available
+from slime_adapter.reading.buffer_client import (
     BufferUnavailableError,
     build_start_payload,
     fetch_rollout_data,
@@ -53,13 +55,11 @@ from slime_adapter.buffer_client import (
     post_start_rollout,
     with_start_options,
 )
-from slime_adapter.build import build_samples
-from slime_adapter.metrics import rollout_step
-from slime_adapter.outputs import eval_output, slime_outputs_available
-from slime_adapter.run_health import RunFailedError, describe_run, get_run_detail
-from slime_adapter.sample import make_sample, status_from_record
+from slime_adapter.reading.run_health import RunFailedError, describe_run, get_run_detail
+from slime_adapter.samples.build import build_samples
+from slime_adapter.samples.sample import make_sample, status_from_record
+from slime_adapter.samples.tokenizers import get_tokenizer
 from slime_adapter.settings import INPUT_KEY_NAMES, AgentRolloutSettings, input_keys_of
-from slime_adapter.tokenizers import get_tokenizer
 
 __all__ = ["EvalDataset", "eval_datasets", "eval_metrics", "evaluate", "log_eval_info"]
 
@@ -277,7 +277,7 @@ def log_eval_info(settings: AgentRolloutSettings, metrics: dict[str, Any], rollo
     metrics = {**metrics, "eval/step": rollout_step(settings, rollout_id)}
     if settings.use_wandb and to_wandb:
         try:
-            from slime_adapter.metrics import _wandb_run
+            from slime_adapter.hooks.metrics import _wandb_run
 
             run = _wandb_run(settings)
             run.define_metric("eval/step")

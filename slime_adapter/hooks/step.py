@@ -1,6 +1,6 @@
 """One trainer step's intake: the groups of each read built into Samples, run through slime's dynamic
 filter, held (over-sampling) or handed to slime's data buffer, and what was consumed recorded in its
-metadata for resume (see `slime_adapter.agent_rollout`, which drives the reads)."""
+metadata for resume (see `slime_adapter.hooks.agent_rollout`, which drives the reads)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_adapter.build import BuildStats, build_group_samples
-from slime_adapter.dynamic_filter import DropCounts, judge, load_filter, should_drop
+from slime_adapter.hooks.dynamic_filter import DropCounts, judge, load_filter, should_drop
+from slime_adapter.hooks.surplus import HeldGroup
+from slime_adapter.samples.build import BuildStats, build_group_samples
+from slime_adapter.samples.tokenizers import get_tokenizer
 from slime_adapter.settings import AgentRolloutSettings
-from slime_adapter.surplus import HeldGroup
-from slime_adapter.tokenizers import get_tokenizer
 
 __all__ = ["SampleBuildError", "Step", "group_keys", "split_groups"]
 
-log = logging.getLogger("slime_adapter.agent_rollout")
+log = logging.getLogger("slime_adapter.hooks.agent_rollout")
 
 
 class SampleBuildError(RuntimeError):
@@ -60,7 +60,7 @@ class Step:
     """One trainer step's fetch: reads' meta_info, finished ids, build counts."""
 
     settings: AgentRolloutSettings
-    state: Any  # slime_adapter.agent_rollout.AgentRolloutState
+    state: Any  # slime_adapter.hooks.agent_rollout.AgentRolloutState
     data_buffer: Any
     rollout_id: int
     args: Any = None
@@ -131,7 +131,7 @@ class Step:
 
         A group's key is in the metadata once it is in the data buffer or dropped (filtered by the buffer
         or the dynamic filter, or failing to build): the checkpoint then says it was consumed. A group held
-        for the next step is not, and keeps its batch unacknowledged (`slime_adapter.surplus`).
+        for the next step is not, and keeps its batch unacknowledged (`slime_adapter.hooks.surplus`).
         """
         if meta:
             self.metas.append(meta)
