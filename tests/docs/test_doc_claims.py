@@ -1,0 +1,38 @@
+"""Sentences of the README and the site that no server test covers, each checked against what it describes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.claude_code import PACKAGE, install_claude_code
+from tests.support.doc_pages import all_docs
+from tests.support.helpers import REPO
+
+
+def test_the_claude_code_tests_need_node_and_npm_and_say_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "Node.js with npm (the Claude Code and Codex CLI tests" in readme
+    install = " ".join((REPO / "docs" / "install.md").read_text().split())
+    assert "without Node.js and npm they fail" in install
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # no npm on the path
+    monkeypatch.setenv("ROLLOUT_BUFFER_TOOL_CACHE", str(tmp_path / "cache"))  # nothing installed yet
+    with pytest.raises(RuntimeError, match="Node.js and npm") as raised:
+        install_claude_code()
+    assert PACKAGE in str(raised.value) and "apt-get install nodejs npm" in str(raised.value)
+
+
+def test_the_extras_the_docs_name_are_declared() -> None:
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    docs = " ".join(all_docs().split())
+    for extra in ("server", "trainer", "test", "docs"):
+        assert f"'.[{extra}]'" in docs or f"[{extra}]'" in docs, extra
+    names = {re.split(r"[<>=\[]", req, maxsplit=1)[0] for req in extras["docs"]}
+    assert names == {"mkdocs", "mkdocs-material"} and names <= {re.split(r"[<>=\[]", r, maxsplit=1)[0]
+                                                                   for r in extras["test"]}
