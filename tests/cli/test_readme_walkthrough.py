@@ -238,3 +238,54 @@ def test_training_through_run_agent_and_resume(clone: Path, tmp_path: Path) -> N
     assert len(second) == 4 and not set(first) & set(second), "the resumed step got only untrained groups"
     assert (slime / ".rollout-buffer" / "buffer.log").is_file(), "the buffer's data is in ./.rollout-buffer of slime's folder"
     assert (slime / "ckpt").is_dir() and not (clone / "ckpt").exists(), "slime's --save ckpt is in slime's folder"
+
+
+@pytest.mark.timeout(240)
+def test_any_agent_trains_through_the_gateway(clone: Path, server: ServerProcess) -> None:
+    """The README's any-agent block: an external run, one session driven by the real OpenAI SDK, finished with
+    its reward, then read back as a record holding the engine's own tokens."""
+    with running_test_engine(clone) as engine_port:
+        done = subprocess.run(["bash", "-c", block("any-agent", buffer=server.port, engine=engine_port)], cwd=clone,
+                              env=env_for(clone), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r'"run_id":\s*"my-agent"', done.stdout), done.stdout
+    assert re.search(r"^the agent got: '.+'$", done.stdout, re.M), done.stdout
+    trained = re.search(r"^trained on: q-17 reward 1\.0 1 turn\(s\), (\d+) output tokens$", done.stdout, re.M)
+    assert trained and int(trained[1]) >= 1, done.stdout
+    detail = httpx.get(f"{server.url}/runs/my-agent", timeout=30).json()
+    assert detail["meta"]["task_type"] == "external" and detail["groups"]["consumed"] == 1, detail
+
+
+def test_assign_instance_ids_as_the_data_page_shows(clone: Path) -> None:
+    done = subprocess.run(["bash", "-c", block("assign-ids")], cwd=clone, env=env_for(clone), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (clone / "data_instance_id.jsonl").read_text().splitlines()]
+    assert [row["label"] for row in rows] == ["5", "3"], "every line, in order, its fields kept"
+    ids = [row["instance_id"] for row in rows]
+    assert len(set(ids)) == 2 and all(re.fullmatch(r"math-[0-9a-f]{12}", i) for i in ids), ids
+    again = subprocess.run(["bash", "-c", block("assign-ids")], cwd=clone, env=env_for(clone), capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and [json.loads(line)["instance_id"] for line in
+                                      (clone / "data_instance_id.jsonl").read_text().splitlines()] == ids, "stable"
+
+
+@pytest.mark.timeout(240)
+def test_the_rollouts_page_start_and_the_status_command(clone: Path, server: ServerProcess) -> None:
+    with running_test_engine(clone) as engine_port:
+        started = subprocess.run(["bash", "-c", block("start-rollout", buffer=server.port, engine=engine_port)],
+                                 cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr
+        run_id = json.loads(started.stdout)["run_id"]
+
+        def enqueued() -> dict[str, Any] | None:
+            detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
+            return detail if detail["enqueue"]["done"] else None
+
+        detail = wait_for(enqueued, timeout_s=60, what="the run's tasks enqueued")
+        assert detail["enqueue"]["tasks_total"] == 8 * 8 * 2, "8 lines x num_repeat_per_sample 8 x num_epoch 2"
+        status = subprocess.run(["bash", "-c", block("status", buffer=server.port)], cwd=clone, env=env_for(clone),
+                                capture_output=True, text=True, timeout=120)
+        httpx.delete(f"{server.url}/runs/{run_id}", timeout=30).raise_for_status()
+    assert status.returncode == 0, status.stderr
+    assert run_id in status.stdout, status.stdout[-3000:]
