@@ -236,7 +236,7 @@ def test_training_through_run_agent_and_resume(clone: Path, tmp_path: Path) -> N
     assert resumed["first_rollout_id"] == 1 and resumed["steps"] == [{"rollout_id": 1, "groups": 4, "samples": 16}]
     second = resumed["metadata"]["1"]["groups"]  # type: ignore[index]
     assert len(second) == 4 and not set(first) & set(second), "the resumed step got only untrained groups"
-    assert (slime / ".rollout-buffer" / "buffer.log").is_file(), "the buffer's data is in ./.rollout-buffer of slime's folder"
+    assert (slime / ".rollout-buffer" / "buffer.log").is_file(), "the buffer's data dir is in slime's folder"
     assert (slime / "ckpt").is_dir() and not (clone / "ckpt").exists(), "slime's --save ckpt is in slime's folder"
 
 

@@ -97,3 +97,15 @@ def test_the_readme_fits_and_links_into_the_site() -> None:
 def test_no_doc_names_a_local_machine_path() -> None:
     for path in doc_files():
         assert "/work/" not in path.read_text(), path
+
+
+def test_the_readme_opens_with_the_two_commands() -> None:
+    """The install-and-serve command (run by tests/runs/test_core_lifecycle.py's default-data-dir test, the
+    walkthrough's server) and the test command (tests/cli/test_packaging.py), first, exactly."""
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.DOTALL)
+    assert blocks[:2] == [
+        "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && rollout-buffer serve",
+        ". .venv/bin/activate && python -m pytest"], blocks[:2]
+    install = (REPO / "docs" / "install.md").read_text()
+    assert blocks[0] in install and blocks[1] in install, "the install page repeats them"
