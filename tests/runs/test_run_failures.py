@@ -75,8 +75,13 @@ def test_a_run_of_failing_rollouts_shows_why(runtime_server: ServerProcess, fail
     assert engine_errors["count"] == 32 and "500" in engine_errors["example"]
     assert failures["first_error"]["uid"].startswith(f"{run_id}:")
     with httpx.Client(base_url=runtime_server.url, timeout=30) as client:
-        meta = client.post("/get_rollout_data", json={"run_id": run_id}).json()["data"]["meta_info"]
+        read = client.post("/get_rollout_data", json={"run_id": run_id}).json()["data"]
+        drops = client.get(f"/runs/{run_id}").json()["drops"]
+    meta = read["meta_info"]
     assert sorted(meta["failed_groups"]) == sorted(meta["finished_groups"]) == sorted(f"q{i}" for i in range(8))
+    # the README: a group whose rollouts all failed returns no sample; it is filtered out and counted as a drop
+    assert read["data"] == [] and sorted(meta["filtered_groups"]) == sorted(meta["failed_groups"])
+    assert drops["filtered_group"] == 8, drops
     log = [line for line in runtime_server.log_path.read_text().splitlines() if run_id in line]
     assert sum("new error type EngineError" in line for line in log) == 1, log
     assert len(log) <= 2, f"one line per new type (plus at most a periodic count), not one per rollout: {log}"
@@ -100,6 +105,7 @@ def test_a_read_returns_failed_members_of_a_group_but_no_group_that_only_failed(
                               tokenizer_path=qwen_tokenizer_path, repeats=4, engine_retries="0")
         detail = wait_status(client, run_id, "finished", timeout_s=60)
         answer = client.post("/get_rollout_data", json={"run_id": run_id}).json()["data"]
+        drops = client.get(f"/runs/{run_id}").json()["drops"]
     meta, records = answer["meta_info"], answer["data"]
     failed_tasks = detail["tasks"]["failed"]
     assert 0 < failed_tasks < 32 and detail["failures"]["total"] == failed_tasks, detail["tasks"]
@@ -110,6 +116,7 @@ def test_a_read_returns_failed_members_of_a_group_but_no_group_that_only_failed(
     assert all(len(members) == 4 for members in by_group.values()), "groups come whole"
     assert set(meta["failed_groups"]) <= set(meta["filtered_groups"]) and not set(meta["failed_groups"]) & set(by_group)
     assert set(by_group) | set(meta["failed_groups"]) == set(meta["finished_groups"])
+    assert drops.get("filtered_group", 0) == len(meta["failed_groups"]), "each all-failed group counted as a drop"
     returned_failed = [r for r in records if r["status"] == "failed"]
     assert returned_failed, "with half the engine calls failing, some group mixes failed and finished members"
     assert len(returned_failed) == failed_tasks - 4 * len(meta["failed_groups"]), "every failed member returned"
