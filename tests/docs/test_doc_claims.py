@@ -36,3 +36,19 @@ def test_the_extras_the_docs_name_are_declared() -> None:
     names = {re.split(r"[<>=\[]", req, maxsplit=1)[0] for req in extras["docs"]}
     assert names == {"mkdocs", "mkdocs-material"} and names <= {re.split(r"[<>=\[]", r, maxsplit=1)[0]
                                                                    for r in extras["test"]}
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "status", "demo", "test-engine", "bench"])
+def test_every_flag_of_every_command_is_documented(command: str) -> None:
+    """`rollout-buffer COMMAND --help` lists its flags; each is named in the README or a page of the site."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "rollout-buffer"
+    done = subprocess.run([str(script), command, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", done.stdout)) - {"--help"}
+    assert len(flags) >= 2, done.stdout
+    documented = all_docs()
+    missing = sorted(flag for flag in flags if not re.search(rf"{re.escape(flag)}(?![a-z0-9-])", documented))
+    assert not missing, f"`rollout-buffer {command}` flags no doc names (docs/settings.md lists them): {missing}"
