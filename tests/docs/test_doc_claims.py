@@ -17,6 +17,10 @@ def test_the_claude_code_tests_need_node_and_npm_and_say_so(tmp_path: Path, monk
     assert "Node.js with npm (the Claude Code and Codex CLI tests" in readme
     install = " ".join((REPO / "docs" / "install.md").read_text().split())
     assert "without Node.js and npm they fail" in install
+    gateway = " ".join((REPO / "docs" / "gateway.md").read_text().split())
+    for test_file in ("test_agent_command_claude_code.py", "test_codex_cli.py"):
+        assert f"`tests/agents/{test_file}`, which needs Node.js and npm" in gateway, test_file
+        assert (REPO / "tests" / "agents" / test_file).is_file()
     empty = tmp_path / "bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))  # no npm on the path
@@ -24,6 +28,10 @@ def test_the_claude_code_tests_need_node_and_npm_and_say_so(tmp_path: Path, monk
     with pytest.raises(RuntimeError, match="Node.js and npm") as raised:
         install_claude_code()
     assert PACKAGE in str(raised.value) and "apt-get install nodejs npm" in str(raised.value)
+    from tests.support.codex_cli import install_codex
+
+    with pytest.raises(RuntimeError, match="Node.js and npm"):
+        install_codex()
 
 
 def test_the_extras_the_docs_name_are_declared() -> None:
