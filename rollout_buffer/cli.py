@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "are deleted (default: keep all)")
     serve.add_argument("--run-ttl-s", type=float, help="delete a retired run this many seconds after it ended "
                                                        "(default: keep)")
-    network = serve.add_argument_group("running on a network (README: Running on a network)")
+    network = serve.add_argument_group("running on a network (docs/security.md: Running on a network)")
     network.add_argument("--auth-token", help="require 'Authorization: Bearer TOKEN' on every route but /health "
                                               "(prefer ROLLOUT_BUFFER_AUTH_TOKEN or --auth-token-file: "
                                               "a flag is visible in the process list)")
@@ -182,8 +182,8 @@ def warn_if_exposed(settings: Settings) -> bool:
     logging.getLogger("rollout_buffer").warning(
         "\n%s\nSERVING ON %s WITHOUT AN AUTH TOKEN: anyone who reaches port %d can start runs, read and delete "
         "every rollout, and make this server call URLs of their choosing. Set ROLLOUT_BUFFER_AUTH_TOKEN (or "
-        "--auth-token-file) and see README 'Running on a network'.\n%s", "!" * 100, settings.host, settings.port,
-        "!" * 100)
+        "--auth-token-file) and see docs/security.md, 'Running on a network'.\n%s", "!" * 100, settings.host,
+        settings.port, "!" * 100)
     return True
 
 

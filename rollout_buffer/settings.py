@@ -84,12 +84,12 @@ class Settings(BaseSettings):
     # another worker. The name, `--task-lease-s`, is kept: operators' command lines use it.
     task_lease_s: float = Field(default=600.0, gt=0)
     rollout_timeout_s: float = Field(default=1800.0, gt=0)
-    # A gateway session (README "Train any agent") idle this long is finished as failed (counted).
+    # A gateway session (docs/gateway.md) idle this long is finished as failed (counted).
     session_timeout_s: float = Field(default=600.0, gt=0)
     log_level: str = "info"
     # How often the upkeep loop samples each live run's counters for the dashboard's throughput charts.
     timeline_interval_s: float = Field(default=5.0, gt=0)
-    # Network safety (README "Running on a network"). With a token, every route but /health needs
+    # Network safety (docs/security.md). With a token, every route but /health needs
     # `Authorization: Bearer <token>`; `auth_token_file` reads it from a file (first line) instead.
     auth_token: SecretStr | None = None
     auth_token_file: Path | None = None
@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     allow_hub_downloads: bool = False
     # Largest task count (input lines x num_epoch x num_repeat_per_sample) one run may enqueue.
     max_tasks_per_run: int = Field(default=DEFAULT_MAX_TASKS_PER_RUN, ge=1)
-    # Sandbox backends `agent_command` runs may use (README "Running agents safely"): bwrap, docker, local or
+    # Sandbox backends `agent_command` runs may use (docs/sandboxes.md): bwrap, docker, local or
     # "pkg.module:factory". Empty (the default): agent commands are off, and such a run is refused 403.
     agent_sandbox: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Host header names the server answers to (DNS rebinding guard, rollout_buffer.api.browser_guard); empty =

@@ -1,4 +1,4 @@
-"""Take the README's dashboard screenshot: a real server, the test engine, a trainer-like reader, Chromium.
+"""Take the dashboard screenshot of docs/metrics.md: a real server, the test engine, a trainer-like reader, Chromium.
 
     python scripts/dashboard_screenshot.py [docs/dashboard.png]
 

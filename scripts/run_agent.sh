@@ -10,14 +10,14 @@
 #   --rollout-function-path slime_adapter.agent_rollout.generate_rollout
 #   --rollout-buffer-url $ROLLOUT_BUFFER_URL   (slime's own flag; slime's parser ignores other spellings)
 #   --loss-mask-type $LOSS_MASK_TYPE
-# The buffer reads each run's input file itself, so its input roots (--input-root, README "Input roots";
+# The buffer reads each run's input file itself, so its input roots (--input-root, docs/security.md "Input roots";
 # printed at start) are the working directory, the folders of the training command's --prompt-data and
 # --eval-prompt-data files and its --hf-checkpoint folder (whose tokenizer the buffer loads), each as
 # `--flag value` or `--flag=value`, and any folders in ROLLOUT_BUFFER_INPUT_ROOT.
 # The buffer is stopped when training ends, fails or is interrupted; the exit status is training's
 # (130 / 143 after SIGINT / SIGTERM, 1 when the buffer does not come up).
 #
-# The buffer's token (README "Running on a network") reaches both sides through the environment:
+# The buffer's token (docs/security.md) reaches both sides through the environment:
 #   ROLLOUT_BUFFER_AUTH_TOKEN       the token itself, or
 #   ROLLOUT_BUFFER_AUTH_TOKEN_FILE  a file whose first line is the token.
 # When BUFFER_HOST is not a loopback address and neither is set, a random token is generated into

@@ -57,7 +57,8 @@ def choose_backend(wanted: Any, server: ServerFacts) -> str:
     if not enabled:
         raise AgentsNotAllowed("agent", "agent commands are off on this server: an agent command runs code on its "
                                         "hosts, so the operator enables it with `serve --agent-sandbox bwrap` (or "
-                                        "docker, or local for trusted agents; README 'Running agents safely')")
+                                        "docker, or local for trusted agents; docs/sandboxes.md, 'Running agents "
+                                        "safely')")
     if wanted is None:
         return enabled[0]
     if not isinstance(wanted, str) or factory_path(wanted) not in {factory_path(name) for name in enabled}:

@@ -68,7 +68,7 @@ def warn_agent_sandboxes(enabled: list[str]) -> None:
     if "local" in enabled:
         log.warning("--agent-sandbox local: agent commands run as this server's user with no isolation (they can "
                     "read its token, reach its Redis and stop it): for trusted agents on a developer's machine only; "
-                    "use bwrap or docker for anything else (README 'Running agents safely')")
+                    "use bwrap or docker for anything else (docs/sandboxes.md, 'Running agents safely')")
     elif enabled:
         log.info("agent commands enabled in sandbox backend(s): %s", ", ".join(enabled))
 

@@ -1,6 +1,6 @@
 """Every URL the server calls, or hands to a task module to call, and the check each one passes.
 
-This is the list; README "Running on a network" repeats it for operators. `--allow-url` is
+This is the list; docs/security.md ("Running on a network") repeats it for operators. `--allow-url` is
 `rollout_buffer.security.access.AccessPolicy.url`; no prefix configured means any URL.
 
 * `POST {engine}/generate` (`runtime.sglang_client`), `POST {engine}/v1/chat/completions`

@@ -233,7 +233,7 @@ class StartRolloutRequest(BaseModel):
 
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
-# A long poll holds a connection at most this long; a lease is at least a second (documented in the README).
+# A long poll holds a connection at most this long; a lease is at least a second (documented in docs/wire.md).
 MAX_WAIT_S = 60.0
 MIN_LEASE_S = 1.0
 

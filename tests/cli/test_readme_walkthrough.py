@@ -1,11 +1,13 @@
-"""The README's walkthrough, run as written from a fresh copy of the checkout.
+"""The README's walkthrough and the documentation site's marked blocks, run as written from a fresh copy of
+the checkout.
 
-Each fenced block that follows a `<!-- walkthrough: NAME -->` marker in README.md is run with bash in a copy
-of the working tree (its tracked and unignored files, as a clone has them) whose `.venv` is this
-interpreter's environment. Two things are changed, both outside the text a user types: the ports the README
-names (8889, 30000) become free ones, since test files run in parallel, and the slime block's `MODEL=` line
-names the test tokenizer's folder (no model is installed here). slime itself is replaced by
-tests/support/standin_train.py, which drives the adapter's real `generate_rollout` as slime's loop does.
+Each fenced block that follows a `<!-- walkthrough: NAME -->` marker in README.md or in a page of the site
+(docs/*.md) is run with bash in a copy of the working tree (its tracked and unignored files, as a clone has
+them) whose `.venv` is this interpreter's environment. Two things are changed, both outside the text a user
+types: the ports the blocks name (8889, 30000) become free ones, since test files run in parallel, and the
+slime block's `MODEL=` line names the test tokenizer's folder and its `cd /path/to/slime` a folder holding a
+stand-in for slime's `train.py` (no model or slime is installed here): tests/support/standin_train.py, which
+drives the adapter's real `generate_rollout` as slime's loop does.
 """
 
 from __future__ import annotations
@@ -27,18 +29,18 @@ import pytest
 
 from rollout_buffer.testing.engine import run_engine_in_thread
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
+from tests.support.doc_pages import marked_blocks
 from tests.support.helpers import REPO, ServerProcess, free_port
 from tests.support.process_tools import wait_for
 
-README = (REPO / "README.md").read_text()
-MARKER = re.compile(r"<!-- walkthrough: (?P<name>[\w-]+) -->\n```bash\n(?P<body>.*?)\n```", re.DOTALL)
-BLOCKS = {m["name"]: m["body"] for m in MARKER.finditer(README)}
-# the Task modules section's example, which the first run tells the reader to copy
-QA_TASK = re.search(r"```python\n(# my_tasks/qa_generator\.py .*?)\n```", README, re.DOTALL)
+BLOCKS = {name: body for name, (_, body) in marked_blocks().items()}
+# the Task modules page's example, which the README's first run tells the reader to copy
+QA_TASK = re.search(r"```python\n(# my_tasks/qa_generator\.py .*?)\n```", (REPO / "docs" / "tasks.md").read_text(),
+                    re.DOTALL)
 
 
 def block(name: str, **ports: int) -> str:
-    """README block `name`, its ports 8889 and 30000 replaced by `buffer=` and `engine=`."""
+    """Walkthrough block `name`, its ports 8889 and 30000 replaced by `buffer=` and `engine=`."""
     text = BLOCKS[name]
     if "buffer" in ports:
         text = text.replace("8889", str(ports["buffer"]))
@@ -80,7 +82,8 @@ def server(clone: Path) -> Iterator[ServerProcess]:
 
 
 def test_every_walkthrough_block_is_run_here() -> None:
-    assert set(BLOCKS) == {"demo", "first-run-engine", "first-run-start", "slime-train"}, set(BLOCKS)
+    assert set(BLOCKS) == {"demo", "first-run-engine", "first-run-start", "slime-train", "any-agent",
+                           "assign-ids", "start-rollout", "status"}, set(BLOCKS)
 
 
 @pytest.mark.timeout(240)
@@ -95,13 +98,45 @@ def test_the_demo_runs_against_the_server_the_dashboard_shows(clone: Path, serve
     assert run_id[1] in [run["run_id"] for run in dashboard["runs"]], "the dashboard on the server lists it"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_first_run_against_the_test_engine(clone: Path, server: ServerProcess) -> None:
     with running_test_engine(clone) as engine_port:
-        run_id, groups, samples = first_run(clone, server, engine_port)
-    assert groups >= 1 and 1 <= samples <= 4 * groups  # a group whose rollouts all failed has none
-    detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
+        read = first_run(clone, server, engine_port)
+        # the README: the long poll returns once a group is complete, with the groups complete then; reading
+        # again gets the others, and once all 8 were handed over a read answers no data
+        handed = list(read.answer["finished_groups"])
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            def rest() -> bool:
+                answer = client.post("/get_rollout_data", json={"run_id": read.run_id, "wait_s": 5}).json()
+                groups = answer["data"]["meta_info"].get("finished_groups", []) if answer["success"] else []
+                assert all(len([r for r in answer["data"]["data"] if r["instance_id"] == g]) == 4 for g in groups)
+                handed.extend(groups)
+                return len(handed) >= 8
+
+            wait_for(rest, timeout_s=120, what="the run's other groups, read again")
+            after = client.post("/get_rollout_data", json={"run_id": read.run_id, "wait_s": 1}).json()
+            detail = client.get(f"/runs/{read.run_id}").json()
+    assert sorted(handed) == [f"math-{i}" for i in range(8)], "each of the 8 groups handed over once"
+    assert after["success"] is False and after["data"]["data"] == [], after
     assert detail["enqueue"]["tasks_total"] == 8 * 4, "examples/math.jsonl: 8 prompts x 4 repeats"
+    # the printed numbers are what the read returned: whole groups of 4, nothing failed with the test engine
+    assert read.groups >= 1 and read.samples == 4 * read.groups and read.filtered == 0
+    assert read.groups == len(read.answer["finished_groups"]), "returned = the groups the read handed over"
+    # written since the last read: every record stored before the read, of complete and incomplete groups
+    assert read.written_samples >= read.samples and read.written_groups >= read.groups
+
+
+class FirstRead:
+    """What the first run's block printed, and the read's own answer for the same numbers."""
+
+    def __init__(self, run_id: str, printed: str, answer: dict[str, Any]) -> None:
+        returned = re.search(r"^returned: (\d+) groups, (\d+) samples; (\d+) groups filtered out$", printed, re.M)
+        written = re.search(r"^written since the last read: (\d+) samples of (\d+) groups$", printed, re.M)
+        assert returned and written, printed
+        self.run_id, self.answer = run_id, answer
+        self.groups, self.samples, self.filtered = (int(n) for n in returned.groups())
+        self.written_samples, self.written_groups = (int(n) for n in written.groups())
+        assert (self.groups, self.samples) == (answer["returned_groups"], answer["returned_samples"])
 
 
 @contextmanager
@@ -123,18 +158,21 @@ def running_test_engine(clone: Path) -> Iterator[int]:
         engine.wait(timeout=30)
 
 
-def first_run(clone: Path, server: ServerProcess, engine_port: int, task_type: str = "math") -> tuple[str, int, int]:
-    """The first run's start-and-read block (with another `task_type` where the README says to send one):
-    (run id, groups, samples) as it printed them."""
+def first_run(clone: Path, server: ServerProcess, engine_port: int, task_type: str = "math") -> FirstRead:
+    """The first run's start-and-read block (with another `task_type` where the README says to send one), run
+    once more in the same shell with its read's JSON kept, so the printed numbers can be checked against it."""
     text = block("first-run-start", buffer=server.port, engine=engine_port)
     text = text.replace('"task_type": "math"', f'"task_type": "{task_type}"')
-    done = subprocess.run(["bash", "-c", text], cwd=clone, env=env_for(clone), capture_output=True, text=True,
+    # the read's answer, captured on its way into the block's python (a tee in the pipe, nothing else changed)
+    captured = clone / f".first-read-{task_type}.json"
+    piped, count = re.subn(r"(-d '\{\"wait_s\": 30\}') \| python3", rf"\1 | tee {captured} | python3", text)
+    assert count == 1, "the block reads once, through python3"
+    done = subprocess.run(["bash", "-c", piped], cwd=clone, env=env_for(clone), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     started = re.search(r'"run_id":\s*"([^"]+)"', done.stdout)
-    read = re.search(r"^(\d+) groups, (\d+) samples$", done.stdout, re.M)
-    assert started and read, done.stdout
-    return started[1], int(read[1]), int(read[2])
+    assert started, done.stdout
+    return FirstRead(started[1], done.stdout, json.loads(captured.read_text())["data"]["meta_info"])
 
 
 @pytest.mark.timeout(240)
@@ -146,8 +184,9 @@ def test_a_task_written_from_the_readme_runs_against_the_test_engine(clone: Path
     with ServerProcess(Path("qa-data"), "--task-dir", "my_tasks", cwd=clone, env=env) as server, \
             running_test_engine(clone) as engine_port:
         assert "qa" in httpx.get(f"{server.url}/tasks", timeout=30).json()["tasks"]
-        run_id, groups, samples = first_run(clone, server, engine_port, task_type="qa")
-        assert groups >= 1 and 1 <= samples <= 4 * groups
+        read = first_run(clone, server, engine_port, task_type="qa")
+        run_id = read.run_id
+        assert read.groups >= 1 and read.samples == 4 * read.groups
 
         def finished() -> dict[str, Any] | None:
             detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
@@ -166,14 +205,20 @@ def test_an_unknown_test_tokenizer_is_refused_naming_the_choices(server: ServerP
 
 
 @pytest.mark.timeout(420)
-def test_training_through_run_agent_and_resume(clone: Path) -> None:
-    shutil.copy(REPO / "tests" / "support" / "standin_train.py", clone / "train.py")
+def test_training_through_run_agent_and_resume(clone: Path, tmp_path: Path) -> None:
+    """The slime block as written: run from slime's folder (a stand-in `train.py` there, none in the checkout),
+    the checkout's run_agent.sh and examples named through `$RB`, the buffer's data in the slime folder."""
+    slime = tmp_path / "slime"
+    slime.mkdir()
+    shutil.copy(REPO / "tests" / "support" / "standin_train.py", slime / "train.py")
+    assert not (clone / "train.py").exists(), "the checkout has no train.py: the block must cd to slime's"
     text, count = re.subn(r"^MODEL=\S+", f"MODEL={qwen_tokenizer_dir('qwen2.5')}", block("slime-train"), flags=re.M)
     assert count == 1, "the block sets MODEL once"
+    text, count = re.subn(r"^cd /path/to/slime\b", f"cd {slime}", text, flags=re.M)
+    assert count == 1, "the block goes to slime's folder once"
     port = free_port()
     with run_engine_in_thread(template="qwen2.5", latency_s=0.01, seed=3) as engine:
-        env = env_for(clone, BUFFER_PORT=str(port), STANDIN_ENGINE_URL=engine.url,
-                      ROLLOUT_BUFFER_DATA_DIR=str(clone / "slime-data"))
+        env = env_for(clone, BUFFER_PORT=str(port), STANDIN_ENGINE_URL=engine.url)
 
         def run(**extra: str) -> dict[str, object]:
             done = subprocess.run(["bash", "-c", text], cwd=clone, env={**env, **extra}, capture_output=True,
@@ -191,3 +236,56 @@ def test_training_through_run_agent_and_resume(clone: Path) -> None:
     assert resumed["first_rollout_id"] == 1 and resumed["steps"] == [{"rollout_id": 1, "groups": 4, "samples": 16}]
     second = resumed["metadata"]["1"]["groups"]  # type: ignore[index]
     assert len(second) == 4 and not set(first) & set(second), "the resumed step got only untrained groups"
+    assert (slime / ".rollout-buffer" / "buffer.log").is_file(), "the buffer's data dir is in slime's folder"
+    assert (slime / "ckpt").is_dir() and not (clone / "ckpt").exists(), "slime's --save ckpt is in slime's folder"
+
+
+@pytest.mark.timeout(240)
+def test_any_agent_trains_through_the_gateway(clone: Path, server: ServerProcess) -> None:
+    """The README's any-agent block: an external run, one session driven by the real OpenAI SDK, finished with
+    its reward, then read back as a record holding the engine's own tokens."""
+    with running_test_engine(clone) as engine_port:
+        done = subprocess.run(["bash", "-c", block("any-agent", buffer=server.port, engine=engine_port)], cwd=clone,
+                              env=env_for(clone), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r'"run_id":\s*"my-agent"', done.stdout), done.stdout
+    assert re.search(r"^the agent got: '.+'$", done.stdout, re.M), done.stdout
+    trained = re.search(r"^trained on: q-17 reward 1\.0 1 turn\(s\), (\d+) output tokens$", done.stdout, re.M)
+    assert trained and int(trained[1]) >= 1, done.stdout
+    detail = httpx.get(f"{server.url}/runs/my-agent", timeout=30).json()
+    assert detail["meta"]["task_type"] == "external" and detail["groups"]["consumed"] == 1, detail
+
+
+def test_assign_instance_ids_as_the_data_page_shows(clone: Path) -> None:
+    done = subprocess.run(["bash", "-c", block("assign-ids")], cwd=clone, env=env_for(clone), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (clone / "data_instance_id.jsonl").read_text().splitlines()]
+    assert [row["label"] for row in rows] == ["5", "3"], "every line, in order, its fields kept"
+    ids = [row["instance_id"] for row in rows]
+    assert len(set(ids)) == 2 and all(re.fullmatch(r"math-[0-9a-f]{12}", i) for i in ids), ids
+    again = subprocess.run(["bash", "-c", block("assign-ids")], cwd=clone, env=env_for(clone), capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0 and [json.loads(line)["instance_id"] for line in
+                                      (clone / "data_instance_id.jsonl").read_text().splitlines()] == ids, "stable"
+
+
+@pytest.mark.timeout(240)
+def test_the_rollouts_page_start_and_the_status_command(clone: Path, server: ServerProcess) -> None:
+    with running_test_engine(clone) as engine_port:
+        started = subprocess.run(["bash", "-c", block("start-rollout", buffer=server.port, engine=engine_port)],
+                                 cwd=clone, env=env_for(clone), capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr
+        run_id = json.loads(started.stdout)["run_id"]
+
+        def enqueued() -> dict[str, Any] | None:
+            detail = httpx.get(f"{server.url}/runs/{run_id}", timeout=30).json()
+            return detail if detail["enqueue"]["done"] else None
+
+        detail = wait_for(enqueued, timeout_s=60, what="the run's tasks enqueued")
+        assert detail["enqueue"]["tasks_total"] == 8 * 8 * 2, "8 lines x num_repeat_per_sample 8 x num_epoch 2"
+        status = subprocess.run(["bash", "-c", block("status", buffer=server.port)], cwd=clone, env=env_for(clone),
+                                capture_output=True, text=True, timeout=120)
+        httpx.delete(f"{server.url}/runs/{run_id}", timeout=30).raise_for_status()
+    assert status.returncode == 0, status.stderr
+    assert run_id in status.stdout, status.stdout[-3000:]

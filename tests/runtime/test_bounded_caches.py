@@ -21,10 +21,12 @@ from rollout_buffer.store.store import Store
 from rollout_buffer.tasks.discovery import TaskModule
 from rollout_buffer.testing.tokenizer import qwen_tokenizer_dir
 from rollout_buffer.wire.schema import StartRolloutRequest
+from tests.support.doc_pages import all_docs
 
 
 def test_the_tokenizer_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert tokenizers.CACHE_SIZE == 8, "the README says 8"
+    documented = " ".join(all_docs().split())
+    assert f"keeps the {tokenizers.CACHE_SIZE} most recently used tokenizers" in documented, "docs/security.md"
     monkeypatch.setattr(tokenizers, "CACHE_SIZE", 2)
     monkeypatch.setattr(tokenizers, "_cache", OrderedDict())
     a, b, c = (str(qwen_tokenizer_dir(t)) for t in ("qwen2.5", "qwen3", "r1_distill"))

@@ -113,7 +113,7 @@ def test_rollouts_through_the_router_are_token_exact_sticky_and_use_both_engines
         records = drain(client, run_id, 32, timeout_s=120)
         keys = {engine_id: _keys(url) for engine_id, (url, _) in engines.items()}
         served = {engine_id: _stats(url)["endpoints"].get("/generate", 0) for engine_id, (url, _) in engines.items()}
-        # what the README says about aborts behind this router: it does not route /abort_request
+        # what docs/workers.md says about aborts behind this router: it does not route /abort_request
         assert httpx.post(f"{router}/abort_request", json={"rid": "x"}, timeout=5).status_code == 404
     assert_whole_groups(records, instance_ids=[r["instance_id"] for r in rows], epochs=1, repeats=2)
     for record in records:

@@ -1,7 +1,7 @@
 """The request fields each OpenAI API reads, and the counter of those it does not: a field a client sends
 that the gateway neither honours nor refuses is counted per request (`gateway_ignored_fields:<name>`), the
 name a bounded label (`field_labels`: one of the API's own fields, anything else `other`), so that a client
-cannot mint counters. The README's gateway section has the tables."""
+cannot mint counters. docs/gateway.md has the tables."""
 
 from __future__ import annotations
 
