@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from datetime import datetime
 from typing import Any
@@ -222,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=DEFAULT_URL, help="the buffer (default $ROLLOUT_BUFFER_URL or %(default)s)")
     parser.add_argument("--run-id", help="the run to detail (default: the active run)")
-    parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl+C")
+    parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl+C or SIGTERM")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
     return parser
 
@@ -239,8 +240,17 @@ def show(console: Console, renderable: RenderableType) -> None:
     console.print(renderable)
 
 
+class _Stop(Exception):
+    """SIGTERM arrived: end the watch as Ctrl+C does (a background job ignores SIGINT, so a supervisor or a
+    test stops it with SIGTERM)."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop
+
+
 def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> int:
-    """Redraw until interrupted; an unreachable buffer is shown and asked again."""
+    """Redraw until interrupted (Ctrl+C or SIGTERM); an unreachable buffer is shown and asked again."""
 
     def view() -> RenderableType:
         try:
@@ -248,6 +258,7 @@ def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> 
         except StatusError as exc:
             return Text(f"{clock(time.time())}  {exc}", style="red")
 
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
         if console.is_terminal:
             with Live(view(), console=console, auto_refresh=False) as live:
@@ -259,8 +270,10 @@ def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> 
                 show(console, view())
                 console.rule()
                 time.sleep(interval_s)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -78,7 +78,7 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> "ServerProcess":
+    def start(self, timeout_s: float = 90.0) -> "ServerProcess":  # a deadline: at load average 12 a start is slow
         (self.cwd / self.data_dir).mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", self.module, self.command, "--port", str(self.port),
