@@ -176,14 +176,15 @@ def detail_view(data: dict[str, Any]) -> RenderableType:
     summary = next(r for r in data["runs"] if r["run_id"] == run["run_id"])
     tasks, totals, leases = summary["tasks"], run["totals"], run["leases"]
     facts = Table.grid(padding=(0, 2))
-    facts.add_row("rollouts", f"done {num(tasks['done'])} · failed {num(tasks['failed'])} · running "
+    rollouts = summary["rollouts"]  # a worker's tasks and the gateway's sessions
+    facts.add_row("rollouts", f"done {num(rollouts['done'])} · failed {num(rollouts['failed'])} · running "
                               f"{num(tasks['running'])} · queued {num(tasks['queued'])}")
     facts.add_row("handed over", f"{num(totals['samples_handed'])} samples in {num(totals['groups_handed'])} groups, "
                                  f"{num(totals['reads_with_data'])} reads")
     throughput = run["throughput"]
     facts.add_row("rollouts/s", f"{compact(summary['rollouts_per_s'])}  {sparkline(throughput['rollouts_per_s'])}")
     facts.add_row("tokens/s", f"{compact(summary['tokens_per_s'])}  {sparkline(throughput['tokens_per_s'])}"
-                              f"  ({compact(totals['tokens_generated'])} generated)")
+                              f"  ({compact(totals['tokens_generated'] + totals['gateway_output_tokens'])} generated)")
     facts.add_row("engine latency", quantiles(run["engine_latency"]))
     facts.add_row("rollout duration", quantiles(run["rollout_duration"]))
     facts.add_row("time to hand-over", quantiles(run["handover_delay"]))
