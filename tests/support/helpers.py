@@ -90,7 +90,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=10.0).status_code == 200:  # slow at load
                     return self
             except httpx.HTTPError:
                 pass
