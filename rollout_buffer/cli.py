@@ -194,6 +194,14 @@ def serve(settings: Settings) -> int:
     from rollout_buffer.api.slow_clients import guarded_protocol
 
     configure_logging(settings.log_level)
+    if not settings.redis_url:  # the embedded Redis lives in the data dir: one server per dir
+        from rollout_buffer.store.dir_lock import DataDirInUse, lock_data_dir
+
+        try:
+            lock_data_dir(settings.data_dir)  # held (the descriptor stays open) until this process exits
+        except DataDirInUse as exc:
+            print(f"rollout-buffer serve: {exc}", file=sys.stderr)
+            return 2
     warn_if_exposed(settings)
     try:
         app = create_app(settings)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from datetime import datetime
 from typing import Any
@@ -175,14 +176,15 @@ def detail_view(data: dict[str, Any]) -> RenderableType:
     summary = next(r for r in data["runs"] if r["run_id"] == run["run_id"])
     tasks, totals, leases = summary["tasks"], run["totals"], run["leases"]
     facts = Table.grid(padding=(0, 2))
-    facts.add_row("rollouts", f"done {num(tasks['done'])} · failed {num(tasks['failed'])} · running "
+    rollouts = summary["rollouts"]  # a worker's tasks and the gateway's sessions
+    facts.add_row("rollouts", f"done {num(rollouts['done'])} · failed {num(rollouts['failed'])} · running "
                               f"{num(tasks['running'])} · queued {num(tasks['queued'])}")
     facts.add_row("handed over", f"{num(totals['samples_handed'])} samples in {num(totals['groups_handed'])} groups, "
                                  f"{num(totals['reads_with_data'])} reads")
     throughput = run["throughput"]
     facts.add_row("rollouts/s", f"{compact(summary['rollouts_per_s'])}  {sparkline(throughput['rollouts_per_s'])}")
     facts.add_row("tokens/s", f"{compact(summary['tokens_per_s'])}  {sparkline(throughput['tokens_per_s'])}"
-                              f"  ({compact(totals['tokens_generated'])} generated)")
+                              f"  ({compact(totals['tokens_generated'] + totals['gateway_output_tokens'])} generated)")
     facts.add_row("engine latency", quantiles(run["engine_latency"]))
     facts.add_row("rollout duration", quantiles(run["rollout_duration"]))
     facts.add_row("time to hand-over", quantiles(run["handover_delay"]))
@@ -222,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=DEFAULT_URL, help="the buffer (default $ROLLOUT_BUFFER_URL or %(default)s)")
     parser.add_argument("--run-id", help="the run to detail (default: the active run)")
-    parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl+C")
+    parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl+C or SIGTERM")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default 2)")
     return parser
 
@@ -239,8 +241,17 @@ def show(console: Console, renderable: RenderableType) -> None:
     console.print(renderable)
 
 
+class _Stop(Exception):
+    """SIGTERM arrived: end the watch as Ctrl+C does (a background job ignores SIGINT, so a supervisor or a
+    test stops it with SIGTERM)."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop
+
+
 def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> int:
-    """Redraw until interrupted; an unreachable buffer is shown and asked again."""
+    """Redraw until interrupted (Ctrl+C or SIGTERM); an unreachable buffer is shown and asked again."""
 
     def view() -> RenderableType:
         try:
@@ -248,6 +259,7 @@ def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> 
         except StatusError as exc:
             return Text(f"{clock(time.time())}  {exc}", style="red")
 
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
         if console.is_terminal:
             with Live(view(), console=console, auto_refresh=False) as live:
@@ -259,8 +271,10 @@ def watch(console: Console, url: str, run_id: str | None, interval_s: float) -> 
                 show(console, view())
                 console.rule()
                 time.sleep(interval_s)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

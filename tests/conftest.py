@@ -15,6 +15,7 @@ from rollout_buffer.store.store import Store
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
 from tests.support.backends import external_url_from_env
 from tests.support.helpers import ServerProcess, ServerSpec, SlimeLikeDataBuffer
+from tests.support.leaks import no_leftover_processes  # noqa: F401  (the session-end check, autouse)
 from tests.support.redis_cluster import LocalRedis, LocalRedisCluster
 
 if TYPE_CHECKING:

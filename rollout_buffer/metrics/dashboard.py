@@ -42,6 +42,9 @@ def run_summary(run: RunSnapshot, active_run: str | None, now: float) -> dict[st
         "active": run.run_id == active_run, "created_at": _created(run),
         "ended_at": float(run.meta.get(f"{run.status}_at") or 0.0) or None,
         "tasks": tasks, "progress": finished / tasks["total"] if tasks["total"] else 0.0,
+        # rollouts finished: a worker's tasks and the gateway's sessions (an external run has no tasks)
+        "rollouts": {"done": tasks["done"] + run.stat("gateway_sessions_finished"),
+                     "failed": tasks["failed"] + run.stat("gateway_sessions_timed_out")},
         "groups": run.groups(), "epochs": run.epochs(), "group_size": run.group_size, "lines": run.lines,
         "records_written": run.stat("records_written"), "samples_handed": run.stat("samples_handed"),
         "failures": sum(run.prefixed("rollout_errors:").values()),

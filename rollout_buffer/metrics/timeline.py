@@ -19,12 +19,15 @@ import redis.asyncio as aioredis
 from rollout_buffer.store import keys
 from rollout_buffer.store.batching import run_scripts
 
+# (new names go last: a stored sample is positional, and older ones are shorter)
 FIELDS = ("tasks_done", "tasks_failed", "tokens_generated", "records_written", "samples_handed", "groups_handed",
-          "engine_calls", "gateway_turns")
-# rate name -> the counters whose sum it differentiates
+          "engine_calls", "gateway_turns", "gateway_output_tokens", "gateway_sessions_finished",
+          "gateway_sessions_timed_out")
+# rate name -> the counters whose sum it differentiates; a gateway session is a run's rollout, its turns'
+# output its tokens (a worker's engine calls count in tokens_generated, the gateway's in gateway_output_tokens)
 RATES: dict[str, tuple[str, ...]] = {
-    "rollouts_per_s": ("tasks_done", "tasks_failed"),
-    "tokens_per_s": ("tokens_generated",),
+    "rollouts_per_s": ("tasks_done", "tasks_failed", "gateway_sessions_finished", "gateway_sessions_timed_out"),
+    "tokens_per_s": ("tokens_generated", "gateway_output_tokens"),
     "records_per_s": ("records_written",),
     "samples_handed_per_s": ("samples_handed",),
     "engine_calls_per_s": ("engine_calls",),
@@ -125,7 +128,8 @@ def rates(points: Sequence[Sequence[float]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"t": after[0]}
         for rate, names in RATES.items():
-            delta = sum(after[index[n]] - before[index[n]] for n in names if index[n] < len(after))
+            delta = sum(after[index[n]] - before[index[n]] for n in names
+                        if index[n] < len(after) and index[n] < len(before))
             row[rate] = max(0.0, delta / elapsed)
         out.append(row)
     return out

@@ -188,7 +188,11 @@ async def _rollout(handle: RunHandle, job: Job, line: dict[str, Any], *, session
         # time not spent waiting on the engine (tools, environment); the gateway's engine time is not
         # measured here, so a rollout with gateway turns states none
         outside = None if gateway_turns else max(0.0, duration - getattr(client, "engine_s", 0.0))
-        return success_record(result, turns=turns, tools=_tools_of(client, handle), last_finish=last_finish,
+        tools = _tools_of(client, handle)
+        if gateway_turns and not client.turns and isinstance(result, dict):  # every turn was the session's:
+            result = {**result, "messages": gateway.messages}  # the record says what the engine saw
+            tools = gateway.tools
+        return success_record(result, turns=turns, tools=tools, last_finish=last_finish,
                               duration_s=duration, policy_version=version(), non_generation_time=outside,
                               calls=getattr(client, "calls", None), **common)
     except asyncio.CancelledError:

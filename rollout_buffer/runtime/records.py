@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rollout_buffer.runtime.error_origin import origin
 from rollout_buffer.security.redaction import redact
 from rollout_buffer.wire.schema import TrajectoryRecord
 
@@ -72,10 +73,14 @@ def failure_record(error: BaseException | str, *, uid: str, instance_id: str, ep
     """A `failed` record carrying the error; no turns, so nothing of it can be trained on by accident."""
     text = redact(error if isinstance(error, str) else (str(error) or repr(error)))
     kind = error_type or (type(error).__name__ if not isinstance(error, str) else "RolloutError")
+    where = None if isinstance(error, str) else origin(error)
+    if where is not None:  # the task's file and line, also in the log's line for a new error type
+        text = f"{text[:3500]} (at {where})"
     record = {
         "uid": uid, "instance_id": instance_id, "epoch": epoch, "repeat": repeat, "attempt": attempt,
         "messages": messages, "reward": 0.0, "status": "failed", "tools": tools, "timestamp": time.time(),
-        "extra_info": {"error": text[:4000], "error_type": kind}, "duration_s": round(duration_s, 4),
+        "extra_info": {"error": text[:4000], "error_type": kind,
+                       **({"error_at": where} if where else {})}, "duration_s": round(duration_s, 4),
         "generation": generation, "policy_version": policy_version,
     }
     try:

@@ -5,8 +5,9 @@ The session is created straight in Redis (the worker may run on any host; any AP
 belongs to the rollout: its id derives from the rollout's uid and attempt, it is not on the idle clock,
 and it is never finished into a record of its own. Its key is model-only (`scope="model"`): it opens the
 session's `/v1/*` endpoints and nothing else, so the agent holding it cannot finish the session or set a
-reward. When the rollout returns, its record takes the session's turns (the engine's exact ids), and the
-session is closed.
+reward. When the rollout returns, its record takes the session's turns (the engine's exact ids), the
+conversation of its latest turn as `messages` and that turn's tools as `tools` (what the engine saw, so a
+reader of `messages` sees the conversation that was trained on), and the session is closed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.security import session_keys as keys_auth
+from rollout_buffer.store.session_turns import conversation
 from rollout_buffer.store.sessions import SessionStore
 from rollout_buffer.store.store import Store
 
@@ -32,6 +34,8 @@ class RolloutSession:
     epoch: int
     buffer_url: str
     opened: dict[str, Any] | None = field(default=None)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # after `collect`: the latest turn's conversation
+    tools: list[dict[str, Any]] | None = None  # after `collect`: the tools the latest turn offered
 
     @property
     def session_id(self) -> str:
@@ -60,6 +64,9 @@ class RolloutSession:
         sessions = SessionStore(self.store)
         nodes = await sessions.all_nodes(self.run_id, self.session_id)
         await sessions.close(self.run_id, self.session_id, "finished")
+        if nodes:
+            self.messages = conversation({n.index: n for n in nodes}, nodes[-1])
+            self.tools = nodes[-1].tools
         turns = []
         for node in nodes:
             turn = node.turn()

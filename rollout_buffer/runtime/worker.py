@@ -48,6 +48,7 @@ from rollout_buffer.wire.versions import as_version
 
 log = logging.getLogger(__name__)
 MAX_BLOCK_S = 2.0
+EXTERNAL_TASK_TYPE = "external"  # a run whose sessions come from clients through the gateway (no task module)
 REDIS_RETRY_S = 0.25  # a restarted Redis answers within a few hundred ms: waiting a second idles a worker through it
 STATUS_CHECK_S = 1.0  # how often a run loop checks that its run was not superseded or deleted
 DEFER_RETRY_S = 0.1  # how often held-back jobs try to start again
@@ -88,6 +89,9 @@ async def load_handle(store: Store, registry: TaskRegistry, settings: Settings, 
         return None
     request = StartRolloutRequest.model_validate(config)
     task = registry.get(request.task_type)
+    if task is None and request.task_type == EXTERNAL_TASK_TYPE:  # the agent gateway's run: the API serves it
+        log.debug("run %s: an external run, served by the gateway, not by workers", run_id)
+        return None
     if task is None:
         log.error("run %s: task_type %r is not known to this worker (add its --task-dir)", run_id, request.task_type)
         return None

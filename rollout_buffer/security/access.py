@@ -6,7 +6,8 @@ network that is a way to read the server's files or to make it call hosts of the
 * `input_file` and a local `tokenizer_path` must resolve (symlinks and `..` resolved) to a path under one
   of the `--input-root` folders (default: the directory the server started in). A refusal says the same
   thing whether the path is outside the roots, missing, a folder or unreadable, so answers reveal nothing
-  about files the caller may not read.
+  about files the caller may not read. A server on loopback (the caller is on its machine) names its
+  roots in that refusal, so the fix is plain; one on a network does not list its folders.
 * a tokenizer name that is not a local path is a Hugging Face hub name; it is loaded from the local cache
   only, unless `--allow-hub-downloads`. `test:<flavour>` (`test:qwen2.5`, ...) names the built-in test
   tokenizer that `rollout-buffer test-engine` serves (built on this machine; no file of the caller's).
@@ -59,6 +60,7 @@ class AccessPolicy:
     allowed_urls: tuple[str, ...] = ()
     allow_hub_downloads: bool = False
     agent_sandboxes: tuple[str, ...] = ()  # `--agent-sandbox`: the backends agent commands may run in
+    show_roots: bool = False  # name the roots in a refusal (a loopback server: its caller is on its machine)
 
     @classmethod
     def from_settings(cls, settings: Any) -> AccessPolicy:
@@ -66,9 +68,12 @@ class AccessPolicy:
         roots = tuple(Path(r).expanduser().resolve() for r in (settings.input_root or [Path.cwd()]))
         for url in settings.allow_url:
             _parse_prefix(url)  # a malformed prefix fails at start-up, not on the first request
+        from rollout_buffer.security.auth import is_loopback
+
         return cls(roots=roots, allowed_urls=tuple(settings.allow_url),
                    allow_hub_downloads=bool(settings.allow_hub_downloads),
-                   agent_sandboxes=tuple(getattr(settings, "agent_sandbox", ()) or ()))
+                   agent_sandboxes=tuple(getattr(settings, "agent_sandbox", ()) or ()),
+                   show_roots=is_loopback(str(getattr(settings, "host", "") or "")))
 
     # ----- files --------------------------------------------------------------------------------------
 
@@ -87,8 +92,10 @@ class AccessPolicy:
         reason) otherwise."""
         real = self._inside(path)
         if real is None or not real.is_file() or not os.access(real, os.R_OK):
+            roots = (f"{', '.join(str(r) for r in self.roots)}; add a folder with --input-root" if self.show_roots
+                     else "--input-root")
             raise AccessDenied("input_file", f"{path!r} is not a readable file under the server's input roots "
-                                             "(--input-root)")
+                                             f"({roots})")
         return str(real)
 
     def tokenizer(self, name: str) -> TokenizerSource:

@@ -129,3 +129,17 @@ def resolve(nodes: dict[int, Node]) -> None:
 
     for node in sorted(nodes.values(), key=lambda n: len(n.chain)):
         full(node)
+
+
+def conversation(nodes: dict[int, Node], last: Node) -> list[dict[str, Any]]:
+    """The full conversation through `last`'s answer: its branch's messages, root first."""
+    chain: list[Node] = []
+    node: Node | None = last
+    while node is not None:
+        chain.append(node)
+        node = nodes.get(node.parent) if node.parent >= 0 else None
+    messages: list[dict[str, Any]] = []
+    for step in reversed(chain):
+        messages.extend(step.new_messages)
+        messages.append(step.message)
+    return messages

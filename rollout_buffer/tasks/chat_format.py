@@ -80,8 +80,32 @@ def parse_call_json(body: str) -> tuple[str, dict[str, Any], str | None] | None:
     return (obj["name"], args, written) if isinstance(args, dict) else None
 
 
+_XML_CALL_RE = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
+_XML_PARAM_RE = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _xml_value(raw: str) -> Any:
+    """A parameter's value: JSON when it is JSON (a number, an object), else the text itself."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
+
+
+def parse_call_xml(body: str) -> tuple[str, dict[str, Any]] | None:
+    """A Qwen3.5 / Qwen3-Coder call body, `<function=NAME><parameter=ARG>VALUE</parameter></function>`."""
+    match = _XML_CALL_RE.fullmatch(body.strip())
+    if match is None:
+        return None
+    return match.group(1), {p.group(1): _xml_value(p.group(2)) for p in _XML_PARAM_RE.finditer(match.group(2))}
+
+
 def _parse_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) for a well-formed tool call body, the model's own string kept as written."""
+    """(name, arguments JSON) for a well-formed tool call body (JSON, or the XML form), the model's own string
+    kept as written."""
+    xml = parse_call_xml(body) if body.lstrip().startswith("<function=") else None
+    if xml is not None:
+        return xml[0], json.dumps(xml[1], ensure_ascii=False)
     parsed = parse_call_json(body)
     if parsed is None:
         return None

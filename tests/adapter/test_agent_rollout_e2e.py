@@ -122,7 +122,7 @@ def test_two_steps_then_resume_after_a_buffer_restart(
         assert answer["skipped_instance_ids"] == len(ids0)
         ids = [check_group(g, qwen_tokenizer) for g in resumed]
         assert sorted(ids) == sorted(ids1), "the released batch is handed over again, first"
-        detail = httpx.get(f"{second.url}/runs/{run_id}").json()
+        detail = httpx.get(f"{second.url}/runs/{run_id}", timeout=30).json()
         # step 1 read its groups in one batch or two, as they were ready
         assert detail["meta"]["status"] != "superseded" and detail["leases"]["lease_released"] >= 1
         for step in range(2, len(ROWS) // BATCH):

@@ -107,13 +107,13 @@ def test_a_file_the_task_cannot_read_is_refused_before_anything_is_stored(runtim
                                                                           qwen_tokenizer_path: str,
                                                                           tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "dapo.jsonl", dapo_rows(3))
-    runs_before = httpx.get(f"{runtime_server.url}/runs").json()
+    runs_before = httpx.get(f"{runtime_server.url}/runs", timeout=30).json()
     args = dapo_args(runtime_server, rollout_engine, qwen_tokenizer_path, path, input_key="input",
                      agent_start_rollout_attempts=1)  # slime's default --input-key, not this file's key
     with pytest.raises(StartRolloutRejected, match=r"line 1: field 'input' \(input_key\): missing") as caught:
         generate_rollout(args, 0, SlimeLikeDataBuffer())
     assert caught.value.status_code == 400
-    assert httpx.get(f"{runtime_server.url}/runs").json() == runs_before, "no run stored"
+    assert httpx.get(f"{runtime_server.url}/runs", timeout=30).json() == runs_before, "no run stored"
 
 
 @pytest.fixture()
@@ -131,7 +131,8 @@ def test_a_run_of_only_failing_rollouts_ends_with_a_clear_error(runtime_server: 
     body = {"task_type": "math", "input_file": args.prompt_data, "num_repeat_per_sample": GROUP, "num_epoch": 1,
             "remote_engine_url": failing_engine.url, "tokenizer_path": qwen_tokenizer_path, "engine_retries": 0,
             "run_id": args.agent_rollout_run_id, **{k: DAPO_OVERRIDES[k] for k in ("input_key", "label_key", "tool_key")}}
-    assert httpx.post(f"{runtime_server.url}/start_rollout", json=body).status_code == 200  # no engine retries
+    started = httpx.post(f"{runtime_server.url}/start_rollout", json=body, timeout=30)
+    assert started.status_code == 200  # no engine retries
     began = time.monotonic()
     with pytest.raises(RunFailedError) as caught:
         generate_rollout(args, 0, SlimeLikeDataBuffer())

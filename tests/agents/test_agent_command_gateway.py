@@ -60,5 +60,6 @@ def test_other_roles_are_still_refused(server: ServerProcess, rollout_engine: An
         run_id = start_external(client, rollout_engine.url, qwen_tokenizer_path, repeats=1)
         session = new_session(client, run_id, "roles")
         answer = httpx.post(f"{session['anthropic_base_url']}/v1/messages", headers={"x-api-key": session["api_key"]},
-                            json={"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]})
+                            json={"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]},
+                            timeout=30)
     assert answer.status_code == 400 and "messages.0.role" in answer.text

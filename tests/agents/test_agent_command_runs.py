@@ -58,7 +58,13 @@ def test_an_agent_command_makes_token_exact_grouped_records(client: httpx.Client
         assert len(record["turns"]) == 2, "a calculator call, then the answer"
         assert info["agent"]["exit_code"] == 0 and "working..." in info["agent"]["stderr_tail"]
         assert info["verifier"]["answer"] == labels[record["instance_id"]] and record["reward"] == 1.0
-        assert record["messages"][-1] == {"role": "assistant", "content": info["agent"]["final_text"]}
+        # the conversation the engine saw, the tools it was offered: what the turns were trained on
+        messages = record["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"], messages
+        assert messages[0]["content"] == next(r["prompt"] for r in rows if r["instance_id"] == record["instance_id"])
+        assert messages[1]["tool_calls"][0]["function"]["name"] == "calculator"
+        assert messages[-1]["content"] == info["agent"]["final_text"]
+        assert [t["function"]["name"] for t in record["tools"]] == ["calculator"], record["tools"]
         assert 0 < info["agent"]["duration_s"] <= info["duration_s"] <= record["duration_s"]
     samples, stats = build_group_samples(records, lambda: pytest.fail("the token path needs no tokenizer"))
     assert stats.token_path_records == 6 and len(samples) == 6

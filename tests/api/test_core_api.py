@@ -151,7 +151,7 @@ def test_long_poll_returns_when_a_group_completes(client: httpx.Client, input_fi
     started = time.monotonic()
     assert not read(client, run_id, wait_s=0.3)["success"]
     assert time.monotonic() - started >= 0.25
-    timer = threading.Timer(0.3, lambda: write(httpx.Client(base_url=str(client.base_url)), run_id, "i5"))
+    timer = threading.Timer(0.3, lambda: write(httpx.Client(base_url=str(client.base_url), timeout=30), run_id, "i5"))
     timer.start()
     started = time.monotonic()
     answer = read(client, run_id, wait_s=10)

@@ -84,7 +84,7 @@ def test_anthropic_answer_shape(client: httpx.Client, rollout_engine: Any, qwen_
                        ({"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
                         "messages.0.content.0")):
         answer = httpx.post(f"{session['anthropic_base_url']}/v1/messages", json={"model": "m", **bad},
-                            headers={"x-api-key": session["api_key"], "anthropic-version": "2023-06-01"})
+                            headers={"x-api-key": session["api_key"], "anthropic-version": "2023-06-01"}, timeout=30)
         assert answer.status_code == 400, answer.text
         body = answer.json()
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"

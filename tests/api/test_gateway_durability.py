@@ -69,8 +69,9 @@ def test_a_session_moves_between_api_processes(tmp_path: Path, rollout_engine: A
     with ServerProcess(tmp_path / "a") as a:
         redis_url = f"unix://{(tmp_path / 'a' / 'redis.sock').resolve()}"
         with ServerProcess(tmp_path / "b", "--redis-url", redis_url) as b:
-            run_id = start_external(httpx.Client(base_url=a.url), rollout_engine.url, qwen_tokenizer_path, repeats=1)
-            session = new_session(httpx.Client(base_url=a.url), run_id, "roaming")
+            run_id = start_external(httpx.Client(base_url=a.url, timeout=30), rollout_engine.url, qwen_tokenizer_path,
+                                    repeats=1)
+            session = new_session(httpx.Client(base_url=a.url, timeout=30), run_id, "roaming")
             messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 3 * 7?"}]
             for url in (a.url, b.url, a.url):
                 sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=session["api_key"], max_retries=0)
@@ -80,9 +81,29 @@ def test_a_session_moves_between_api_processes(tmp_path: Path, rollout_engine: A
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": "21"})
                 if not reply.message.tool_calls:
                     messages.append({"role": "user", "content": "And 21 + 1?"})
-            finish(httpx.Client(base_url=b.url), session, 1.0)
+            finish(httpx.Client(base_url=b.url, timeout=30), session, 1.0)
             [record] = read_group(httpx.Client(base_url=a.url, timeout=30), run_id, 1)
             assert len(record["turns"]) == 3
             assert_one_branch(record)
-            stats = httpx.get(f"{b.url}/runs/{run_id}").json()["stats"]
+            stats = httpx.get(f"{b.url}/runs/{run_id}", timeout=30).json()["stats"]
             assert "gateway_forks" not in stats
+
+
+def test_a_restart_with_a_live_gateway_run_logs_no_error(tmp_path: Path, rollout_engine: Any,
+                                                         qwen_tokenizer_path: str) -> None:
+    """Workers skip an external run quietly (the gateway serves it): no `task_type 'external' is not known`."""
+    data_dir = tmp_path / "data"
+    with ServerProcess(data_dir) as first, httpx.Client(base_url=first.url, timeout=30) as client:
+        run_id = start_external(client, rollout_engine.url, qwen_tokenizer_path, repeats=1)
+        session = new_session(client, run_id, "across-a-restart")
+    with ServerProcess(data_dir, "--log-level", "debug") as second, \
+            httpx.Client(base_url=second.url, timeout=30) as client:
+        seen = f"run {run_id}: an external run, served by the gateway"
+        wait_for(lambda: seen in second.log_path.read_text() or "is not known" in second.log_path.read_text(),
+                 60, "the restarted workers looked at the run")
+        finish(client, session, 1.0)
+        [record] = read_group(client, run_id, 1)
+        log = second.log_path.read_text()
+    assert record["reward"] == 1.0, "the session carried on"
+    assert "is not known to this worker" not in log and " ERROR " not in log, log[-3000:]
+    assert seen in log

@@ -52,14 +52,14 @@ def test_external_run_start_is_checked(client: httpx.Client, rollout_engine: Any
 def test_session_keys_open_only_their_session(server: ServerProcess, client: httpx.Client, rollout_engine: Any,
                                               qwen_tokenizer_path: str) -> None:
     run_id = start_external(client, rollout_engine.url, qwen_tokenizer_path, repeats=1)
-    assert httpx.post(f"{server.url}/runs/{run_id}/sessions", json={"instance_id": "a"}).status_code == 401
+    assert httpx.post(f"{server.url}/runs/{run_id}/sessions", json={"instance_id": "a"}, timeout=30).status_code == 401
     session = new_session(client, run_id, "a")
     assert session["openai_base_url"] == f"{server.url}/v1" and session["anthropic_base_url"] == server.url
     key = {"Authorization": f"Bearer {session['api_key']}"}
     # the session key opens nothing of the buffer's own API
     for method, path in (("POST", "/get_rollout_data"), ("GET", f"/runs/{run_id}"),
                          ("POST", f"/runs/{run_id}/sessions")):
-        assert httpx.request(method, f"{server.url}{path}", headers=key, json={}).status_code == 401
+        assert httpx.request(method, f"{server.url}{path}", headers=key, json={}, timeout=30).status_code == 401
     bad_keys = ["nope", session["api_key"] + "0", session["api_key"].replace(run_id, "other-run")]
     for bad in bad_keys:
         sdk = openai.OpenAI(base_url=session["openai_base_url"], api_key=bad, max_retries=0)
@@ -73,7 +73,7 @@ def test_session_keys_open_only_their_session(server: ServerProcess, client: htt
         assert refused.value.body["error"]["type"] == "authentication_error"
     other = new_session(client, run_id, "b")
     answer = httpx.post(f"{server.url}/sessions/{session['session_id']}/finish", json={"reward": 1.0},
-                        headers={"Authorization": f"Bearer {other['api_key']}"})
+                        headers={"Authorization": f"Bearer {other['api_key']}"}, timeout=30)
     assert answer.status_code == 401, "one session's key cannot finish another"
 
 
@@ -97,7 +97,8 @@ def test_malformed_bodies_get_the_apis_own_400(server: ServerProcess, client: ht
         assert caught.value.body["param"] == param, caught.value.body
         assert param.split("[")[0] in caught.value.body["message"]
     raw = httpx.post(f"{session['openai_base_url']}/chat/completions", content=b"{not json",
-                     headers={"Authorization": f"Bearer {session['api_key']}", "content-type": "application/json"})
+                     headers={"Authorization": f"Bearer {session['api_key']}", "content-type": "application/json"},
+                     timeout=30)
     assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
     assert stats(client, run_id).get("gateway_turns", 0) == 0, "nothing was generated for a refused request"
 
@@ -117,14 +118,15 @@ def test_finish_makes_one_record_and_groups_fill_by_epoch(server: ServerProcess,
         sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 1 + 1?"}])
     assert "finished" in caught.value.body["message"]
     second = httpx.post(f"{server.url}/sessions/{sessions[1]['session_id']}/finish", headers=AUTH,
-                        json={"reward": 0.0, "status": "truncated", "extra_info": {"note": "token finish"}}).json()
+                        json={"reward": 0.0, "status": "truncated", "extra_info": {"note": "token finish"}},
+                        timeout=30).json()
     assert second["group_completed"] is True
     records = read_group(client, run_id, 2)
     assert {r["uid"] for r in records} == {sessions[0]["session_id"], sessions[1]["session_id"]}
     empty = next(r for r in records if r["uid"] == sessions[1]["session_id"])
     assert empty["status"] == "truncated" and empty["extra_info"]["note"] == "token finish"
     bad = httpx.post(f"{server.url}/sessions/{sessions[2]['session_id']}/finish", headers=AUTH,
-                     json={"reward": "lots"})
+                     json={"reward": "lots"}, timeout=30)
     assert bad.status_code == 422 and "reward" in bad.json()["message"]
     assert stats(client, run_id)["gateway_sessions_finished"] == 2
 

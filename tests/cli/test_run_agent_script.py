@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.helpers import REPO, free_port, write_jsonl
+from tests.support.helpers import REPO, ServerProcess, free_port, write_jsonl
 
 SCRIPT = REPO / "scripts" / "run_agent.sh"
 
@@ -74,6 +74,22 @@ def test_flags_exit_status_and_the_buffer_is_stopped(tmp_path: Path) -> None:
     assert "buffer stopped" in done.stderr
     assert_port_closed(port)
     assert (tmp_path / "data" / "buffer.log").is_file()
+
+
+def test_a_data_dir_in_use_stops_the_script_naming_its_holder(tmp_path: Path) -> None:
+    """A second run_agent.sh (or serve) on the data dir of a running buffer does not share its runs: the
+    buffer refuses to start, the script says why and training never starts."""
+    with ServerProcess(tmp_path / "data") as first:
+        assert first.proc is not None
+        port = free_port()
+        command = [str(SCRIPT), "--", sys.executable, "-c", FAKE_TRAIN, "0"]
+        done = subprocess.run(command, check=False, env=script_env(tmp_path, port), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        assert httpx.get(f"{first.url}/health", timeout=30).status_code == 200, "the first buffer serves on"
+    assert done.returncode == 1, done.stderr
+    assert f"is in use by process {first.proc.pid} (" in done.stderr, done.stderr
+    assert done.stdout == "", "training did not start"
+    assert_port_closed(port)
 
 
 def test_sigterm_stops_training_and_buffer(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.support.helpers import REPO, ServerProcess, free_port
+from tests.support.process_tools import sigint_default, sigint_ignored
 from tests.support.runtime_helpers import arithmetic_rows, drain, start_native, wait_status, write_rows
 
 STATUS = [sys.executable, "-m", "rollout_buffer.cli", "status"]
@@ -95,29 +96,43 @@ def _read_until(read: Any, done: Any, timeout_s: float) -> str:
     return buffer
 
 
-def test_watch_on_a_pipe_prints_a_snapshot_per_interval(finished_run: tuple[str, str]) -> None:
+@pytest.mark.parametrize("parent_sigint", ["default", "ignored"])
+def test_watch_on_a_pipe_prints_a_snapshot_per_interval(finished_run: tuple[str, str], parent_sigint: str) -> None:
+    """SIGTERM ends --watch as cleanly as Ctrl+C, also in a background job (where SIGINT is ignored)."""
     url, run_id = finished_run
     proc = subprocess.Popen([*STATUS, "--url", url, "--watch", "--interval", "0.3"], cwd=REPO, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_ignored if parent_sigint == "ignored" else sigint_default)
     assert proc.stdout is not None
+    rest: list[str] = []
     try:
         out = _read_until(proc.stdout.readline, lambda text: text.count("updated ") >= 3, 30)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         # keep reading through the same text reader (communicate() would read the bytes behind it and may
         # start inside a character it split), so a write in progress can finish
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
-        proc.wait(timeout=30)
+        stdout = proc.stdout
+        reader = threading.Thread(target=lambda: rest.append(stdout.read()), daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        reader.join(timeout=30)
     code = proc.returncode
     assert out.count("updated ") >= 3 and out.count(run_id) >= 3
-    assert code == 0, "Ctrl+C ends --watch cleanly"
+    assert code == 0, f"SIGTERM ends --watch cleanly: {out[-2000:]}{''.join(rest)[-2000:]}"
+    assert "Traceback" not in "".join(rest)
 
 
 def test_watch_in_a_terminal_redraws_in_place(finished_run: tuple[str, str]) -> None:
     url, run_id = finished_run
     master, slave = pty.openpty()
     proc = subprocess.Popen([*STATUS, "--url", url, "--watch", "--interval", "0.3"], cwd=REPO, env=env(160),
-                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                            preexec_fn=sigint_default)  # Ctrl+C reaches it even when pytest runs in the background
     os.close(slave)
 
     def read() -> str:
@@ -134,7 +149,9 @@ def test_watch_in_a_terminal_redraws_in_place(finished_run: tuple[str, str]) -> 
                 read()
             except OSError:  # the terminal closed with the process
                 break
-        code = proc.wait(timeout=5)
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait(timeout=30)
         os.close(master)
     assert screen.count(run_id) >= 6, "drawn, then redrawn"
     assert "\x1b[1A" in screen and "\x1b[2K" in screen, "rich moves the cursor up and redraws in place"

@@ -8,13 +8,16 @@ outside world.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.support.browser import OfflineBrowser
+from tests.support.gateway import finish, new_session, read_group, start_external
 from tests.support.helpers import REPO, ServerProcess, make_record
 from tests.support.process_tools import wait_for
 from tests.support.runtime_helpers import arithmetic_rows, drain, start_native, wait_status, write_rows
@@ -74,6 +77,11 @@ def test_dashboard_shows_a_run_in_an_offline_browser(tmp_path: Path, offline_bro
             assert page.evaluate(COUNT_COLOURED, [f'[data-chart="{chart}"]', colour]) > 30, f"{chart} draws its series"
         assert page.is_hidden('[data-chart="staleness"]') and page.is_visible('[data-empty="staleness"]'), \
             "a run without staleness data shows the empty state"
+        for chart in ("reward_hist", "engine_latency", "rollout_duration"):
+            assert page.get_attribute(f'[data-chart="{chart}"]', "data-y-min") == "0", f"{chart}: bars start at zero"
+        ticks = (page.get_attribute('[data-chart="throughput"]', "data-x-ticks") or "").split("|")
+        assert ticks != [""] and all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in ticks), \
+            f"a run of seconds has clock ticks, not sub-second ones: {ticks}"
 
         # it refreshes itself: a run started now appears without a reload
         updates = int(page.get_attribute("body", "data-updates") or 0)
@@ -129,4 +137,31 @@ def test_throughput_without_two_points_shows_the_empty_state(tmp_path: Path, off
         span = float(page.get_attribute('[data-chart="reward"]', "data-x-span") or "inf")
         assert 0 < span <= 600, f"the time axis around one read spans {span} s"
         assert page.evaluate(COUNT_COLOURED, ['[data-chart="reward"]', BLUE]) > 20, "the lone read has a marker"
+        assert visit.page_errors == [] and visit.console_errors == [] and visit.outside_requests() == []
+
+
+def test_a_gateway_run_shows_its_rollouts_and_tokens(tmp_path: Path, offline_browser: OfflineBrowser,
+                                                     rollout_engine: Any, qwen_tokenizer_path: str) -> None:
+    """An external run's rollouts are its finished sessions and its tokens its turns' output (not 0, as when
+    only a worker's tasks and engine calls counted)."""
+    with ServerProcess(tmp_path / "data", env={"ROLLOUT_BUFFER_TIMELINE_INTERVAL_S": "0.2"}) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        run_id = start_external(client, rollout_engine.url, qwen_tokenizer_path, repeats=2)
+        for reward in (1.0, 0.0):
+            session = new_session(client, run_id, "g")
+            sdk = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"], max_retries=0)
+            sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 2 + 3?"}])
+            finish(client, session, reward)
+        read_group(client, run_id, 2)
+        data = wait_for(lambda: (d := client.get("/api/dashboard", params={"run_id": run_id}).json())
+                        ["run"]["throughput"]["t"] and d, 30, "the run's samples")
+        [summary] = data["runs"]
+        tokens = data["run"]["totals"]["gateway_output_tokens"]
+        assert summary["rollouts"] == {"done": 2, "failed": 0} and tokens > 0
+        wait_for(lambda: any(client.get("/api/dashboard").json()["run"]["throughput"]["tokens_per_s"]), 30,
+                 "a tokens/s rate above zero")
+        visit = offline_browser.open(f"{server.url}/?run={run_id}&refresh=0.5", wait_for="body[data-updates]",
+                                     wait_until="load")
+        assert text(visit, '[data-testid="card-tasks-done"] .value') == "2"
+        assert tokens < 10_000 and text(visit, '[data-testid="card-tokens"] .value').replace(",", "") == str(tokens)
         assert visit.page_errors == [] and visit.console_errors == [] and visit.outside_requests() == []

@@ -49,7 +49,7 @@ def scripted(server: ServerProcess) -> Iterator[RecordingTrainer]:
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):

@@ -68,7 +68,7 @@ def store_of(server: ServerProcess) -> redis.Redis:
 
 
 def gone(server: ServerProcess, rollout_id: str) -> bool:
-    return httpx.get(f"{server.url}/init/{rollout_id}").status_code == 404
+    return httpx.get(f"{server.url}/init/{rollout_id}", timeout=30).status_code == 404
 
 
 def test_delivered_rollout_expires_and_its_id_is_unknown_again(server: ServerProcess, trainer: RecordingTrainer) -> None:
@@ -82,9 +82,9 @@ def test_delivered_rollout_expires_and_its_id_is_unknown_again(server: ServerPro
     wait_until(lambda: gone(server, body["rollout_id"]), "the state to expire")
     wait_until(lambda: db.zscore(keys.REMOTE_INDEX, body["rollout_id"]) is None, "the index entry to be pruned")
     assert db.zscore(keys.REMOTE_OPEN, body["rollout_id"]) is None
-    again = httpx.post(f"{server.url}/init", json=body)
+    again = httpx.post(f"{server.url}/init", json=body, timeout=30)
     assert again.status_code == 202 and again.json()["created"] is True, "after the TTL the id starts anew"
-    wait_until(lambda: httpx.get(f"{server.url}/init/{body['rollout_id']}").json()["callback"]["status"]
+    wait_until(lambda: httpx.get(f"{server.url}/init/{body['rollout_id']}", timeout=30).json()["callback"]["status"]
                == "delivered", "the second run to settle")
 
 
@@ -92,7 +92,7 @@ def test_refused_callback_is_final_and_expires(server: ServerProcess, trainer: R
     trainer.fail_callbacks(1, "400")
     body = init_body(trainer, tools=False)
     start(server, body)
-    state = wait_until(lambda: (s := httpx.get(f"{server.url}/init/{body['rollout_id']}").json())["callback"]["status"]
+    state = wait_until(lambda: (s := httpx.get(f"{server.url}/init/{body['rollout_id']}", timeout=30).json())["callback"]["status"]
                        == "failed" and s, "the refusal to be recorded")
     assert "HTTP 400" in state["callback"]["last_error"] and state["callback"]["attempts"] == 1
     attempts = trainer.recorded(body["rollout_id"])["callback_attempts"]
@@ -106,7 +106,7 @@ def test_unsettled_rollout_outlives_the_ttl(server: ServerProcess, trainer: Reco
     start(server, body)
     trainer.wait_for_calls(body["rollout_id"], 1)
     time.sleep(2 * TTL_S)
-    state = httpx.get(f"{server.url}/init/{body['rollout_id']}").json()
+    state = httpx.get(f"{server.url}/init/{body['rollout_id']}", timeout=30).json()
     assert state["status"] == "running", "a running rollout's state does not expire"
     assert store_of(server).zscore(keys.REMOTE_INDEX, body["rollout_id"]) is not None
     assert trainer.wait_for_completion(body["rollout_id"])["status"] == "COMPLETED"

@@ -56,7 +56,7 @@ def delivered_state(server: ServerProcess, rollout_id: str, timeout_s: float = 2
     """GET /init/{id} once the buffer has recorded its callback as delivered."""
     deadline = time.monotonic() + timeout_s
     while True:
-        state = httpx.get(f"{server.url}/init/{rollout_id}").json()
+        state = httpx.get(f"{server.url}/init/{rollout_id}", timeout=30).json()
         if state["callback"]["delivered"]:
             return state
         assert time.monotonic() < deadline, f"callback of {rollout_id} not recorded as delivered: {state}"
@@ -64,7 +64,7 @@ def delivered_state(server: ServerProcess, rollout_id: str, timeout_s: float = 2
 
 
 def start(server: ServerProcess, body: dict[str, Any]) -> None:
-    response = httpx.post(f"{server.url}/init", json=body)
+    response = httpx.post(f"{server.url}/init", json=body, timeout=30)
     assert response.status_code == 202, response.text
     assert response.json()["created"] is True and response.json()["status"] in ("queued", "running")
 
@@ -75,7 +75,7 @@ def test_single_turn_sends_no_mask_and_every_response_token_is_the_models(
     start(server, body)
     done = trainer.wait_for_completion(body["rollout_id"])
     assert done["status"] == "COMPLETED" and done["metadata"]["answer"] == "391"
-    rec = httpx.get(f"{trainer.url}/_recorded/{body['rollout_id']}").json()  # the trainer's HTTP view
+    rec = httpx.get(f"{trainer.url}/_recorded/{body['rollout_id']}", timeout=30).json()  # the trainer's HTTP view
     assert rec["errors"] == []
     (call,) = rec["calls"]
     assert call["response_mask"] is None, "the first call carries no mask"
@@ -130,9 +130,9 @@ def test_init_is_idempotent_by_rollout_id(server: ServerProcess, trainer: Record
     assert [a.json()["created"] for a in answers].count(True) == 1
     trainer.wait_for_completion(body["rollout_id"])
     state = delivered_state(server, body["rollout_id"])
-    again = httpx.post(f"{server.url}/init", json=body)
+    again = httpx.post(f"{server.url}/init", json=body, timeout=30)
     assert again.status_code == 200 and again.json()["status"] == "completed" and again.json()["request_matches"]
-    changed = httpx.post(f"{server.url}/init", json={**body, "metadata": {"answer": "0"}})
+    changed = httpx.post(f"{server.url}/init", json={**body, "metadata": {"answer": "0"}}, timeout=30)
     assert changed.status_code == 200 and changed.json()["request_matches"] is False
     rec = trainer.recorded(body["rollout_id"])
     assert [c["call_index"] for c in rec["calls"]] == [0, 1], "one rollout: one set of calls"
@@ -234,13 +234,14 @@ def test_invalid_init_bodies_name_the_field(server: ServerProcess, trainer: Reco
                                             change: dict[str, Any], field: str) -> None:
     body = {**init_body(trainer), **change}
     body = {k: v for k, v in body.items() if v is not None}
-    response = httpx.post(f"{server.url}/init", json=body)
+    response = httpx.post(f"{server.url}/init", json=body, timeout=30)
     assert response.status_code == 422, response.text
     assert any(e["field"].split(".")[0] == field for e in response.json()["errors"]), response.text
     if body.get("rollout_id") not in (None, "index"):
-        assert httpx.get(f"{server.url}/init/{body['rollout_id']}").status_code == 404, "nothing was started"
+        answer = httpx.get(f"{server.url}/init/{body['rollout_id']}", timeout=30)
+        assert answer.status_code == 404, "nothing was started"
 
 
 def test_unknown_rollout_id_is_404(server: ServerProcess) -> None:
-    response = httpx.get(f"{server.url}/init/never-seen")
+    response = httpx.get(f"{server.url}/init/never-seen", timeout=30)
     assert response.status_code == 404 and "never-seen" in response.json()["message"]

@@ -21,7 +21,7 @@ ENV = {**FAST_CALLBACKS, "ROLLOUT_BUFFER_REMOTE_OWNER_TTL_S": "1", "ROLLOUT_BUFF
 def wait_state(server: ServerProcess, rollout_id: str, check: Any, timeout_s: float = 20.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
-        state = httpx.get(f"{server.url}/init/{rollout_id}").json()
+        state = httpx.get(f"{server.url}/init/{rollout_id}", timeout=30).json()
         if check(state):
             return state
         assert time.monotonic() < deadline, f"{rollout_id}: state never matched: {state}"
@@ -36,19 +36,19 @@ def test_rollouts_in_flight_at_sigkill_are_reported_after_restart(tmp_path: Path
             # B finishes, but the trainer refuses every callback attempt until after the restart.
             trainer.fail_callbacks(100_000, "500")
             finished = init_body(trainer)
-            assert httpx.post(f"{server.url}/init", json=finished).status_code == 202
+            assert httpx.post(f"{server.url}/init", json=finished, timeout=30).status_code == 202
             wait_state(server, finished["rollout_id"],
                        lambda s: s["status"] == "completed" and s["callback"]["attempts"] >= 2)
             # A is mid-rollout (one trainer call made, then sleeping) and holds the only slot ...
             running = init_body(trainer, task_type="remote_faults", tools=False, metadata={"mode": "sleep"})
-            assert httpx.post(f"{server.url}/init", json=running).status_code == 202
+            assert httpx.post(f"{server.url}/init", json=running, timeout=30).status_code == 202
             trainer.wait_for_calls(running["rollout_id"], 1)
             wait_state(server, running["rollout_id"], lambda s: s["status"] == "running")
             # ... so C waits in the queue.
             queued = init_body(trainer)
-            assert httpx.post(f"{server.url}/init", json=queued).status_code == 202
+            assert httpx.post(f"{server.url}/init", json=queued, timeout=30).status_code == 202
             time.sleep(0.3)
-            assert httpx.get(f"{server.url}/init/{queued['rollout_id']}").json()["status"] == "queued"
+            assert httpx.get(f"{server.url}/init/{queued['rollout_id']}", timeout=30).json()["status"] == "queued"
         finally:
             server.kill(signal.SIGKILL)
         trainer.clear_callback_failures()
@@ -64,7 +64,7 @@ def test_rollouts_in_flight_at_sigkill_are_reported_after_restart(tmp_path: Path
                       for rid in (running["rollout_id"], finished["rollout_id"], queued["rollout_id"])}
             # A clean shutdown (SIGTERM) reports what it interrupts instead of leaving it to the next start.
             interrupted = init_body(trainer, task_type="remote_faults", tools=False, metadata={"mode": "sleep"})
-            assert httpx.post(f"{restarted.url}/init", json=interrupted).status_code == 202
+            assert httpx.post(f"{restarted.url}/init", json=interrupted, timeout=30).status_code == 202
             trainer.wait_for_calls(interrupted["rollout_id"], 1)
         shut = trainer.wait_for_completion(interrupted["rollout_id"], timeout_s=5)
         assert shut["status"] == "ERROR" and "shut down" in shut["error"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.helpers import REPO, ServerProcess, make_record, start_run, write_jsonl
+from tests.support.process_tools import sigint_default
 
 TASKS = str(Path(__file__).parents[1] / "fixtures" / "tasks")
 
@@ -31,7 +32,7 @@ def _read_all(client: httpx.Client, run_id: str) -> list[dict]:
 
 def test_write_without_active_run_is_409(tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "data", "--task-dir", TASKS) as server:
-        response = httpx.post(f"{server.url}/buffer/write", json=make_record("i0"))
+        response = httpx.post(f"{server.url}/buffer/write", json=make_record("i0"), timeout=30)
         assert response.status_code == 409
         assert "/start_rollout" in response.json()["message"]
 
@@ -91,7 +92,7 @@ def test_sigkill_loses_no_acknowledged_write(tmp_path: Path) -> None:
     server2 = ServerProcess(data_dir, "--task-dir", TASKS)
     server2.port = server.port
     with server2:
-        records = _read_all(httpx.Client(base_url=server2.url), run_id)
+        records = _read_all(httpx.Client(base_url=server2.url, timeout=30), run_id)
     uids = [r["uid"] for r in records]
     assert len(uids) == len(set(uids)), "no record twice"
     assert set(acknowledged) <= set(uids), f"lost: {sorted(set(acknowledged) - set(uids))[:5]}"
@@ -102,10 +103,10 @@ def test_two_api_processes_on_one_redis_complete_each_group_once(tmp_path: Path)
     with ServerProcess(tmp_path / "a", "--task-dir", TASKS) as a:
         redis_url = f"unix://{(tmp_path / 'a' / 'redis.sock').resolve()}"
         with ServerProcess(tmp_path / "b", "--task-dir", TASKS, "--redis-url", redis_url) as b:
-            run_id = start_run(httpx.Client(base_url=a.url), input_file, task_type="external", repeats=4)
+            run_id = start_run(httpx.Client(base_url=a.url, timeout=30), input_file, task_type="external", repeats=4)
 
             def writer(url: str, parity: int) -> None:
-                with httpx.Client(base_url=url) as c:
+                with httpx.Client(base_url=url, timeout=30) as c:
                     for i in range(60):
                         for j in range(2):
                             c.post("/buffer/write",
@@ -117,7 +118,7 @@ def test_two_api_processes_on_one_redis_complete_each_group_once(tmp_path: Path)
             results: list[list[dict]] = [[], []]
 
             def reader(url: str, out: list[dict]) -> None:
-                with httpx.Client(base_url=url) as c:
+                with httpx.Client(base_url=url, timeout=30) as c:
                     while any(t.is_alive() for t in threads):
                         answer = c.post("/get_rollout_data", json={"run_id": run_id, "wait_s": 0.2}).json()
                         out.extend(answer["data"]["data"])
@@ -134,7 +135,7 @@ def test_two_api_processes_on_one_redis_complete_each_group_once(tmp_path: Path)
             for r in everything:
                 per_instance[r["instance_id"]] = per_instance.get(r["instance_id"], 0) + 1
             assert set(per_instance.values()) == {4}
-            stats = httpx.get(f"{a.url}/runs/{run_id}").json()
+            stats = httpx.get(f"{a.url}/runs/{run_id}", timeout=30).json()
             assert stats["groups"]["completed"] == 60 and stats["groups"]["consumed"] == 60
 
 
@@ -169,7 +170,7 @@ def test_task_discovery_reports_broken_modules_and_refuses_duplicates(tmp_path: 
     (tasks / "broken_generator.py").write_text("import no_such_module_here\nTASK_TYPE = 'broken'\n")
     (tasks / "fine_generator.py").write_text("TASK_TYPE = 'fine'\ndef run_rollout(data):\n    pass\n")
     with ServerProcess(tmp_path / "data", "--task-dir", str(tasks)) as server:
-        listing = httpx.get(f"{server.url}/tasks").json()
+        listing = httpx.get(f"{server.url}/tasks", timeout=30).json()
         assert "fine" in listing["tasks"] and "math" not in listing["errors"]
         [(path, error)] = [(p, e) for p, e in listing["errors"].items() if "broken" in p]
         assert "no_such_module_here" in error
@@ -203,7 +204,7 @@ def test_serve_with_the_default_relative_data_dir(tmp_path: Path) -> None:
     """The README's first command: `rollout-buffer serve` in some folder, data in ./.rollout-buffer."""
     env = {"PYTHONPATH": str(REPO)}
     with ServerProcess(Path(".rollout-buffer"), cwd=tmp_path, env=env) as server:
-        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        assert httpx.get(f"{server.url}/health", timeout=30).json()["status"] == "ok"
     assert (tmp_path / ".rollout-buffer" / "rollout-buffer.aof").exists()
 
 
@@ -220,7 +221,8 @@ def test_ctrl_c_stops_the_server_before_its_embedded_redis(tmp_path: Path) -> No
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rollout_buffer.cli", "serve", "--port", str(port),
                                  "--data-dir", str(data_dir), "--task-dir", TASKS], cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -22,7 +22,7 @@ from rollout_buffer.runtime.worker import share_of
 from rollout_buffer.settings import Settings, default_worker_processes
 from rollout_buffer.testing.engine import run_engine_in_thread
 from tests.support.helpers import REPO, ServerProcess, free_port
-from tests.support.process_tools import alive, all_gone, consumer_pids, wait_for, worker_children
+from tests.support.process_tools import alive, all_gone, consumer_pids, sigint_default, wait_for, worker_children
 from tests.support.runtime_helpers import (
     WorkerProcess,
     arithmetic_rows,
@@ -166,7 +166,8 @@ def test_ctrl_c_stops_worker_processes_first_and_cleanly(tmp_path: Path) -> None
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rollout_buffer.cli", "serve", "--port", str(port),
                                  "--data-dir", str(data_dir), "--worker-processes", "2", "--log-level", "info"],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=sigint_default)
     try:
         wait_for(lambda: _healthy(port), 60, "server healthy")
         wait_for(lambda: len(WORKER_READY.findall(log_path.read_text())) == 2, 60, "both worker processes ready")

@@ -6,6 +6,7 @@ the local cache only; `--allow-url` restricts the URLs the server calls."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -24,8 +25,10 @@ SERVER = ServerSpec(args=("--task-dir", LEGACY_TASKS, "--allow-url", ALLOWED), c
                     data_dir=".rb-data", env={"ROLLOUT_BUFFER_INPUT_ROOT": "", "PYTHONPATH": str(REPO)})
 
 
-def refusal(path: str) -> str:
-    return f"input_file: {path!r} is not a readable file under the server's input roots (--input-root)"
+def refusal(path: str, root: Path) -> str:
+    """The refusal of a loopback server (these tests' server): one text for every reason, naming the roots."""
+    return (f"input_file: {path!r} is not a readable file under the server's input roots ({root.resolve()}; add a "
+            "folder with --input-root)")
 
 
 def tokenizer_refusal(name: str) -> str:
@@ -70,8 +73,8 @@ def test_files_outside_the_roots_and_missing_files_get_one_refusal(client: httpx
                        tokenizer_path=str(root / "to_tokenizer"))
         assert answer.status_code == 403, (name, answer.text)
         body = answer.json()
-        assert body["message"] == refusal(name), "one text, whatever the reason"
-        assert body["errors"] == [{"field": "input_file", "message": refusal(name)}]
+        assert body["message"] == refusal(name, root), "one text, whatever the reason"
+        assert body["errors"] == [{"field": "input_file", "message": refusal(name, root)}]
     assert client.get("/runs").json() == {"runs": [], "active_run": None}, "nothing stored"
 
 
@@ -144,6 +147,11 @@ def test_policy_units(tmp_path: Path) -> None:
     for bad in ("", "x\x00y", str(root), str(tmp_path)):
         with pytest.raises(AccessDenied):
             policy.input_file(bad)
+    with pytest.raises(AccessDenied, match=r"input roots \(--input-root\)$"):
+        policy.input_file(str(root / "missing.jsonl"))  # a server on a network does not list its folders
+    shown = AccessPolicy(roots=(root.resolve(),), show_roots=True)
+    with pytest.raises(AccessDenied, match=f"input roots \\({re.escape(str(root.resolve()))}; add a folder with"):
+        shown.input_file(str(root / "missing.jsonl"))
     assert policy.tokenizer(str(root / "tok")).local
     hub = policy.tokenizer("Qwen/Qwen2.5-7B-Instruct")
     assert (hub.local, hub.allow_download, hub.name) == (False, False, "Qwen/Qwen2.5-7B-Instruct")

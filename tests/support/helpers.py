@@ -78,7 +78,7 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> "ServerProcess":
+    def start(self, timeout_s: float = 90.0) -> "ServerProcess":  # a deadline: at load average 12 a start is slow
         (self.cwd / self.data_dir).mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = [sys.executable, "-m", self.module, self.command, "--port", str(self.port),
@@ -90,7 +90,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=10.0).status_code == 200:  # slow at load
                     return self
             except httpx.HTTPError:
                 pass

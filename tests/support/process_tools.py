@@ -4,6 +4,7 @@ that treats zombies as dead, and the task stream's consumers (which worker proce
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -74,3 +75,14 @@ def consumer_pids(redis_url: str, run_id: str) -> set[int]:
         client.close()
     names = [c["name"].decode() if isinstance(c["name"], bytes) else c["name"] for c in consumers]
     return {int(name.split(":")[1]) for name in names}
+
+
+def sigint_default() -> None:
+    """`preexec_fn` for a child a test will stop with SIGINT (Ctrl+C): a shell's background job (`pytest &`)
+    ignores SIGINT, and an ignored signal stays ignored across exec, so without this the child never sees it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def sigint_ignored() -> None:
+    """`preexec_fn` for a child started as a shell's background job would be: SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -67,7 +67,7 @@ def test_tokens_arrive_paced_and_an_abort_cuts_the_stream(engine: Any) -> None:
     engine.configure(token_delay_s=0.05, latency_s=0.2)
     started = time.monotonic()
     arrivals = []
-    aborter = threading.Timer(0.6, lambda: httpx.post(f"{engine.url}/abort_request", json={"rid": "slow"}))
+    aborter = threading.Timer(0.6, lambda: httpx.post(f"{engine.url}/abort_request", json={"rid": "slow"}, timeout=30))
     aborter.start()
     with httpx.stream("POST", f"{engine.url}/generate", json={**_body("slow"), "stream": True},
                       timeout=30) as response:

@@ -77,13 +77,30 @@
 
   // uPlot widens the time axis of a lone point to years (a day in its milliseconds, read as seconds): a lone
   // point gets two minutes either side instead, and a marker, as a line needs two points.
+  // A short run (seconds) gets at least MIN_SPAN_S around its points, so its ticks are whole seconds.
+  const MIN_SPAN_S = 10;
   function timeRange(u, min, max) {
     const xs = u.data[0];
-    return xs.length === 1 ? [xs[0] - 120, xs[0] + 120] : [min, max];
+    if (xs.length === 1) return [xs[0] - 120, xs[0] + 120];
+    if (max - min < MIN_SPAN_S) return [(min + max) / 2 - MIN_SPAN_S / 2, (min + max) / 2 + MIN_SPAN_S / 2];
+    return [min, max];
   }
+  // Time ticks at whole seconds or more, labelled as a clock (never uPlot's `:14.000 :14.500` for sub-second
+  // ticks); the labels are kept on the chart's box (`data-x-ticks`) for whoever checks the axis.
+  const TIME_INCRS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+    172800, 604800];
+  function timeLabels(u, splits, axis, space, incr) {
+    const labels = splits.map((t) => new Date(t * 1000).toLocaleTimeString([], {
+      hour: "2-digit", minute: "2-digit", second: incr < 60 ? "2-digit" : undefined, hourCycle: "h23" }));
+    u.root.parentElement.dataset.xTicks = labels.join("|");
+    return labels;
+  }
+  const TIME_AXIS = { incrs: TIME_INCRS, values: timeLabels, space: 70 };
   function lonePoint(u) { return u.data[0].length === 1; }
   // The drawn time span, on the chart's box (`data-x-span`), for whoever checks the axis.
   function noteSpan(u, key) { if (key === "x") u.root.parentElement.dataset.xSpan = String(u.scales.x.max - u.scales.x.min); }
+  // The drawn value range's floor (`data-y-min`): bars start at zero.
+  function noteFloor(u, key) { if (key === "y") u.root.parentElement.dataset.yMin = String(u.scales.y.min); }
 
   function lineChart(name, series, columns, axes) {
     const shape = series.map((s) => s.label).join("|");
@@ -91,7 +108,7 @@
       width, height: 220, cursor: { drag: { x: false, y: false } },
       scales: { x: { time: true, range: timeRange } },
       series: [{}, ...series.map((s) => ({ width: 2, points: { show: lonePoint, size: 9 }, ...s }))],
-      axes: axes || [{}, {}],
+      axes: [{ ...TIME_AXIS, ...((axes || [])[0] || {}) }, ...(axes || [{}, {}]).slice(1)],
       bands: series.bands,
       hooks: { setScale: [noteSpan] },
     });
@@ -104,7 +121,9 @@
     const shape = labels.join("|");
     const build = (width) => ({
       width, height: 200, legend: { show: false }, cursor: { drag: { x: false, y: false } },
-      scales: { x: { time: false, range: (u, min, max) => [min - 0.6, max + 0.6] } },
+      // counts start at zero: an axis from the smallest count would draw 12 of 20 as a sliver
+      scales: { x: { time: false, range: (u, min, max) => [min - 0.6, max + 0.6] },
+                y: { range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1] } },
       series: [{}, { label, fill: color + "cc", stroke: color, width: 1, paths: uPlot.paths.bars({ size: [0.8, 60] }),
                      points: { show: false } }],
       axes: [
@@ -112,6 +131,7 @@
           size: labels.length > 8 ? 56 : 40, gap: 4 },
         { size: 50 },
       ],
+      hooks: { setScale: [noteFloor] },
     });
     draw(name, shape, build, [xs, counts]);
   }
@@ -179,15 +199,15 @@
     const t = summary.tasks;
     const g = summary.groups;
     $("#cards").replaceChildren(
-      card("tasks-done", "rollouts done", num(t.done)),
-      card("tasks-failed", "rollouts failed", num(t.failed)),
+      card("tasks-done", "rollouts done", num(summary.rollouts.done)),
+      card("tasks-failed", "rollouts failed", num(summary.rollouts.failed)),
       card("tasks-running", "running", num(t.running)),
       card("tasks-queued", "queued", num(t.queued)),
       card("groups-handed", "groups handed over", num(g.handed)),
       card("groups-ready", "groups ready", num(g.ready)),
       card("samples-handed", "samples handed over", num(run.totals.samples_handed)),
       card("reads", "reads", num(run.totals.reads_with_data)),
-      card("tokens", "tokens generated", compact(run.totals.tokens_generated)),
+      card("tokens", "tokens generated", compact(run.totals.tokens_generated + run.totals.gateway_output_tokens)),
       card("lease-expiries", "lease expiries", num(run.leases.lease_expired)),
     );
     $("#epochs").replaceChildren(...summary.epochs.map((e) => h("div", { class: "epoch", "data-testid": `epoch-${e.epoch}` },

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import array
 import hashlib
+import json
 import random
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +109,8 @@ class ScriptedPolicy:
         """Build the full scripted output: noise tokens, the scripted text (fit to `json_schema`), then EOS."""
         prompt_text = self.codec.decode(prompt_ids, skip_special_tokens=False)
         script = self.answer(prompt_text, rng)
+        if self.template in XML_CALL_TEMPLATES:
+            script = as_xml_calls(script)
         if json_schema is not None:
             script = constrained(script, json_schema)
         low, high = self.config.noise_tokens
@@ -138,3 +142,20 @@ class ScriptedPolicy:
             ids.append(token)
             logprobs.append(-rng.uniform(0.5, 9.0))
         return Plan(ids, logprobs)
+
+
+XML_CALL_TEMPLATES = frozenset({"qwen3.5"})  # templates whose models write tool calls as XML, not JSON
+_JSON_CALL_RE = re.compile(r"<tool_call>\n(\{.*?\})\n</tool_call>", re.DOTALL)
+
+
+def as_xml_calls(script: str) -> str:
+    """The scripted answer's JSON tool calls in the Qwen3.5 form: `<function=NAME>` with a `<parameter=ARG>`
+    block per argument (text as it is, anything else as JSON)."""
+
+    def xml(match: re.Match[str]) -> str:
+        call = json.loads(match.group(1))
+        params = "".join(f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n"
+                         "</parameter>\n" for key, value in call["arguments"].items())
+        return f"<tool_call>\n<function={call['name']}>\n{params}</function>\n</tool_call>"
+
+    return _JSON_CALL_RE.sub(xml, script)

@@ -44,10 +44,12 @@ from rollout_buffer.testing.engine.output import (
 from rollout_buffer.testing.engine.policy import Plan, ScriptedPolicy
 from rollout_buffer.testing.engine.replay import PrefixCache
 from rollout_buffer.testing.engine.stats import EngineStats
-from rollout_buffer.testing.tokenizer import TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
+from rollout_buffer.testing.tokenizer import EXTRA_TEMPLATES, TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
 
 ENGINE_ID_HEADER = "X-Test-Engine-Id"
 CALL_LOG_SIZE = 2_048  # generations kept in the call log (the oldest go first)
+# every `test:<template>` tokenizer: qwen3.5 answers with XML tool calls (policy.as_xml_calls)
+ENGINE_TEMPLATES: tuple[str, ...] = TEMPLATES + EXTRA_TEMPLATES
 
 
 CONSTRAINTS = ("json_schema", "ebnf", "regex")  # structured-output parameters, recorded in the call log
@@ -75,8 +77,8 @@ class TestEngine:
         engine_id: str | None = None,
         **config_values: Any,
     ) -> None:
-        if template not in TEMPLATES:
-            raise ValueError(f"unknown template {template!r}; expected one of {TEMPLATES}")
+        if template not in ENGINE_TEMPLATES:
+            raise ValueError(f"unknown template {template!r}; expected one of {ENGINE_TEMPLATES}")
         if engine_id is not None and not (engine_id.isascii() and engine_id.isprintable() and engine_id.strip()):
             raise ValueError(f"engine_id must be printable ASCII (it is sent as a header), got {engine_id!r}")
         self.template = template
