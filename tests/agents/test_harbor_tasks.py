@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from rollout_buffer.tasks.harbor import environment_hash
 from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
 from tests.support.gateway import assert_turns_are_engine_calls, engine_calls_of
-from tests.support.harbor_tasks import SECRET, make_dataset, scripted_agent
+from tests.support.harbor_tasks import add_broken_build, make_dataset, scripted_agent
 from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.runtime_helpers import drain, run_detail, wait_status
 
@@ -61,7 +62,7 @@ def test_bad_task_folders_are_refused_naming_task_and_field(server: ServerProces
 def test_harbor_tasks_train_with_a_scripted_agent(server: ServerProcess, client: httpx.Client, tmp_path: Path,
                                                   docker_env: DockerEnv, rollout_engine: Any,  # noqa: F811
                                                   qwen_tokenizer_path: str) -> None:
-    dataset = make_dataset(tmp_path / "tasks", docker_env.image)
+    dataset = add_broken_build(make_dataset(tmp_path / "tasks", docker_env.image))
     answer = _start(client, dataset, scripted_agent("solve"), docker_env, rollout_engine.url, qwen_tokenizer_path,
                     repeats=2)
     assert answer.status_code == 200, answer.text
@@ -86,6 +87,14 @@ def test_harbor_tasks_train_with_a_scripted_agent(server: ServerProcess, client:
     failures = detail["failures"]
     assert failures["by_type"]["verifier_error"]["count"] == 2, failures
     assert "wrote no reward" in failures["by_type"]["verifier_error"]["example"]
+    # a build that fails is the infrastructure's failure of that task: counted, its group dropped, no reward
+    assert failures["by_type"]["sandbox_error"]["count"] == 2, failures
+    assert "build failed" in failures["by_type"]["sandbox_error"]["example"]
+    drops = run_detail(client, run_id)["drops"]  # counted as the groups were read
+    assert drops["sandbox_error"] == 2, drops  # no-reward's and broken-build's groups: never trained on
+    # the built image stays in the Engine's cache, tagged by its environment's content hash: built once
+    tag = f"rollout-buffer-harbor/fix-bug:{environment_hash(dataset / 'fix-bug' / 'environment')}"
+    assert image_present(docker_env, tag)
     assert not docker_sandboxes_of(docker_env, run_id), "every container was removed"
 
 
@@ -109,3 +118,11 @@ def test_hostile_agent_finds_no_tests_or_solution_and_plants_no_reward(
         assert report["secret_hits"] == [], report
         assert "/logs/verifier/reward.txt" not in report["planted"] and "/tests/test.sh" not in report["planted"]
         assert record["reward"] == 0.0, (record["instance_id"], info["verifier"])  # what test.sh wrote, nothing else
+
+
+def image_present(env: DockerEnv, tag: str) -> bool:
+    import asyncio
+
+    from rollout_buffer.agents.docker_engine import image_exists
+
+    return asyncio.run(image_exists(tag, {"docker_host": env.url}))

@@ -68,3 +68,13 @@ def scripted_agent(mode: str) -> dict:
     script = SCRIPTED_AGENT.read_text().replace("{", "{{").replace("}", "}}")
     return {"command": f"python3 {{home}}/agent.py {{instance_id}} {mode} {{prompt}}", "api": "openai",
             "files": {"~/agent.py": script}, "env": {"SECRET_SOLUTION_WORD": SECRET}}
+
+
+def add_broken_build(root: Path) -> Path:
+    """A task whose environment/Dockerfile cannot build (its base image is not in the Engine: never pulled)."""
+    _write(root / "broken-build", {
+        "instruction.md": "Anything.\n", "task.toml": _toml(None),
+        "environment/Dockerfile": "FROM rollout-buffer-no-such-base:0\nRUN true\n",
+        "tests/test.sh": "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+        "solution/solve.sh": "#!/bin/bash\ntrue\n"})
+    return root
