@@ -6,6 +6,7 @@ solution and cannot plant a reward. Bad task folders are refused at /start_rollo
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from pathlib import Path
@@ -78,6 +79,9 @@ def test_harbor_tasks_train_with_a_scripted_agent(server: ServerProcess, client:
         assert record["status"] in ("completed", "truncated"), info  # truncated: the engine hit max_tokens
         assert_turns_are_engine_calls(record, engine_calls_of(rollout_engine, info["session_id"]))
         assert len(record["turns"]) == 1
+        seen = json.loads(info["agent"]["stdout_tail"].strip().splitlines()[-1])
+        assert seen["cwd"] == "/app"  # the image's working folder (Harbor's default)
+        assert seen["limits"] == {"memory": str(512 << 20), "cpu": "100000"}  # task.toml's limits
     assert [r["reward"] for r in by_task["hello"]] == [1.0, 1.0]
     assert "GREETING=hi there" in by_task["hello"][0]["extra_info"]["verifier"]["test_stdout_tail"]
     assert [r["reward"] for r in by_task["fix-bug"]] == [1.0, 1.0]  # its image was built from environment/
@@ -108,8 +112,6 @@ def test_hostile_agent_finds_no_tests_or_solution_and_plants_no_reward(
     assert answer.status_code == 200, answer.text
     wait_status(client, answer.json()["run_id"], "finished", timeout_s=300)
     records = drain(client, answer.json()["run_id"], 2, timeout_s=60)
-    import json
-
     for record in records:
         info = record["extra_info"]
         report = json.loads(info["agent"]["stdout_tail"].strip().splitlines()[-1])
