@@ -3,7 +3,8 @@ session variables it reads and its config files, so each CLI talks to its own ro
 
 * `claude-code`: `claude -p {prompt} --output-format json`, `ANTHROPIC_BASE_URL` / `ANTHROPIC_API_KEY`, and
   `~/.claude/settings.json` allowing its file and shell tools.
-* `codex`: `codex exec --skip-git-repo-check {prompt}` with `~/.codex/config.toml` naming a custom provider
+* `codex`: `codex exec --dangerously-bypass-approvals-and-sandbox --skip-git-repo-check -- {prompt}` (the
+  container is its sandbox) with `~/.codex/config.toml` naming a custom provider
   (`base_url` = the session's OpenAI base URL, `wire_api = "responses"`, key from `OPENAI_API_KEY`).
 * `mini-swe-agent`: `mini -y -t {prompt}` with litellm's OpenAI variables (`OPENAI_BASE_URL`,
   `OPENAI_API_KEY`) and the model `openai/policy`.
@@ -36,7 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "env": {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"},
                     "files": {"~/.claude/settings.json": {"permissions": {"allow": ["Bash", "Edit", "Write",
                                                                                      "Read"]}}}},
-    "codex": {"command": "codex exec --skip-git-repo-check {prompt}", "api": "openai",
+    "codex": {"command": "codex exec --dangerously-bypass-approvals-and-sandbox --skip-git-repo-check -- {prompt}",
+              "api": "openai",
               "files": {"~/.codex/config.toml": _CODEX_TOML}},
     "mini-swe-agent": {"command": "mini -y -t {prompt}", "api": "openai",
                        "env": {"MSWEA_MODEL_NAME": "openai/policy", "MSWEA_CONFIGURED": "true",
