@@ -6,8 +6,8 @@ session variables it reads and its config files, so each CLI talks to its own ro
 * `codex`: `codex exec --dangerously-bypass-approvals-and-sandbox --skip-git-repo-check -- {prompt}` (the
   container is its sandbox) with `~/.codex/config.toml` naming a custom provider
   (`base_url` = the session's OpenAI base URL, `wire_api = "responses"`, key from `OPENAI_API_KEY`).
-* `mini-swe-agent`: `mini -y -t {prompt}` with litellm's OpenAI variables (`OPENAI_BASE_URL`,
-  `OPENAI_API_KEY`) and the model `openai/policy`.
+* `mini-swe-agent`: `mini -y --exit-immediately -l 0 -t {prompt}` with litellm's OpenAI variables
+  (`OPENAI_BASE_URL`, `OPENAI_API_KEY`) and the model `openai/policy`.
 * `opencode`: `opencode run {prompt}` with `~/.config/opencode/opencode.json` naming an OpenAI-compatible
   provider at the session's base URL.
 
@@ -40,7 +40,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "codex": {"command": "codex exec --dangerously-bypass-approvals-and-sandbox --skip-git-repo-check -- {prompt}",
               "api": "openai",
               "files": {"~/.codex/config.toml": _CODEX_TOML}},
-    "mini-swe-agent": {"command": "mini -y -t {prompt}", "api": "openai",
+    "mini-swe-agent": {"command": "mini -y --exit-immediately -l 0 -t {prompt}", "api": "openai",
                        "env": {"MSWEA_MODEL_NAME": "openai/policy", "MSWEA_CONFIGURED": "true",
                                "MSWEA_COST_TRACKING": "ignore_errors"}},
     "opencode": {"command": "opencode run {prompt}", "api": "openai", "env": {"OPENCODE_DISABLE_AUTOUPDATE": "1"}},

@@ -9,9 +9,10 @@ Failures are records with `status="failed"` and an `error_type`, counted per typ
 `/metrics` like any task's: `agent_timeout`, `agent_exit` (non-zero exit), `setup_failed`,
 `verifier_error`. A Harbor task (a sample with `harbor`, read from a task folder) runs in its own image with
 its own limits and its tests/test.sh as the verifier (`rollout_buffer.agents.harbor`). An infrastructure
-failure (`SandboxError`: the sandbox could not be made or a command could not be started) is retried once with a new sandbox; an agent's own failure never is. One that
-persists is `sandbox_error`, marked `extra_info["infrastructure"]`: never a reward, its group is dropped at
-hand-over and counted (`rollout_buffer.runs.reads`).
+failure (`SandboxError`: the sandbox could not be made or a command could not be started) is retried once
+with a new sandbox; an agent's own failure never is. One that persists is `sandbox_error`, marked
+`extra_info["infrastructure"]`: never a reward, its group is dropped at hand-over and counted
+(`rollout_buffer.runs.reads`); so is a Harbor task's `verifier_error` (its test.sh wrote no reward).
 
 The agent's key is model-only (its session belongs to the rollout: it cannot finish it; the reward is the
 verifier's). In an isolating sandbox (bwrap, docker) the agent's base URL is the sandbox's own loopback,

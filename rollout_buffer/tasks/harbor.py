@@ -141,7 +141,8 @@ def read_task(folder: str | Path, name: str | None = None) -> dict[str, Any]:
               "build_timeout_sec": _positive(environment, "environment", "build_timeout_sec",
                                              DEFAULTS["build_timeout_sec"], task),
               "cpus": _positive(environment, "environment", "cpus", DEFAULTS["cpus"], task),
-              "memory_mb": _positive(environment, "environment", "memory_mb", DEFAULTS["memory_mb"], task, integer=True),
+              "memory_mb": _positive(environment, "environment", "memory_mb", DEFAULTS["memory_mb"], task,
+                                     integer=True),
               "storage_mb": _positive(environment, "environment", "storage_mb", DEFAULTS["storage_mb"], task,
                                       integer=True),
               "has_solution": (root / "solution" / "solve.sh").is_file()}

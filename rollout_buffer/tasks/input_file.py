@@ -11,8 +11,8 @@ folders is read as one line per task (line numbers count its tasks), a JSONL lin
 becomes that task's sample (the line's other keys kept, `instance_id` the folder's name unless the line sets
 one).
 
-This module depends on nothing else in the package but the Harbor format, so both the API's start checks (`rollout_buffer.runs.lifecycle`)
-and the runtime (`rollout_buffer.runtime.inputs`) can use it.
+This module depends on nothing else in the package but the Harbor format, so both the API's start checks
+(`rollout_buffer.runs.lifecycle`) and the runtime (`rollout_buffer.runtime.inputs`) can use it.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ def make_dataset(root: Path, base_image: str) -> Path:
         "instruction.md": "Create the file /app/hello.txt holding the word hello.\n",
         "task.toml": _toml(base_image, verifier_env='{ GREETING = "hi there" }'),
         "tests/test.sh": ("#!/bin/bash\n" + secret + 'echo "GREETING=$GREETING"\n'
-                          'if [ "$(cat /app/hello.txt 2>/dev/null)" = "hello" ]; then echo 1 > /logs/verifier/reward.txt; '
-                          "else echo 0 > /logs/verifier/reward.txt; fi\n"),
+                          'if [ "$(cat /app/hello.txt 2>/dev/null)" = "hello" ]; then '
+                          "echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"),
         "solution/solve.sh": "#!/bin/bash\n" + secret + "echo hello > /app/hello.txt\n"})
     _write(root / "fix-bug", {
         "instruction.md": "calc.py's add() is wrong: fix it.\n",
