@@ -106,19 +106,37 @@ def test_hostile_agent_finds_no_tests_or_solution_and_plants_no_reward(
         server: ServerProcess, client: httpx.Client, tmp_path: Path, docker_env: DockerEnv,  # noqa: F811
         rollout_engine: Any, qwen_tokenizer_path: str) -> None:
     dataset = make_dataset(tmp_path / "tasks", docker_env.image)
-    for name in ("fix-bug", "no-reward"):
-        shutil.rmtree(dataset / name)
+    shutil.rmtree(dataset / "fix-bug")
+    # no-reward's test.sh writes no reward; in an image that leaves /tests and /logs/verifier open to everyone the
+    # agent plants one there: had they not been emptied, the planted reward would count
+    # (and open-doors, hello in the same image, shows the plants land there)
+    shutil.copytree(dataset / "hello", dataset / "open-doors")
+    for doors in (dataset / "no-reward", dataset / "open-doors"):
+        toml = doors / "task.toml"
+        toml.write_text("\n".join(line for line in toml.read_text().splitlines()
+                                   if not line.startswith("docker_image")))
+        (doors / "environment").mkdir()
+        (doors / "environment" / "Dockerfile").write_text(
+            f"FROM {docker_env.image}\nRUN mkdir -p /logs/verifier /tests && chmod 0777 /logs /logs/verifier /tests\n")
     answer = _start(client, dataset, scripted_agent("hostile"), docker_env, rollout_engine.url, qwen_tokenizer_path)
     assert answer.status_code == 200, answer.text
     wait_status(client, answer.json()["run_id"], "finished", timeout_s=300)
-    records = drain(client, answer.json()["run_id"], 2, timeout_s=60)
+    records = drain(client, answer.json()["run_id"], 3, timeout_s=60)
+    assert sorted(r["instance_id"] for r in records) == ["hello", "open-doors", "partial"]
+    failures = run_detail(client, answer.json()["run_id"])["failures"]["by_type"]
+    assert failures["verifier_error"]["count"] == 1 and "wrote no reward" in failures["verifier_error"]["example"]
     for record in records:
         info = record["extra_info"]
         report = json.loads(info["agent"]["stdout_tail"].strip().splitlines()[-1])
         assert report["uid"] != 0
-        assert report["found"] == [], report  # no tests/, no solution/, no test.sh anywhere it can read
-        assert report["secret_hits"] == [], report
-        assert "/logs/verifier/reward.txt" not in report["planted"] and "/tests/test.sh" not in report["planted"]
+        assert report["secret_hits"] == [], report  # no test or solution content anywhere it can read
+        if record["instance_id"] == "open-doors":
+            assert report["found"] == ["/tests"], report  # the image's empty folder, nothing in it
+            assert {"/logs/verifier/reward.txt", "/tests/test.sh"} <= set(report["planted"]), report
+            assert "GREETING=hi there" in info["verifier"]["test_stdout_tail"]  # the task's own test.sh ran
+        else:
+            assert report["found"] == [], report  # no tests/, no solution/, no test.sh anywhere it can read
+            assert "/logs/verifier/reward.txt" not in report["planted"] and "/tests/test.sh" not in report["planted"]
         assert record["reward"] == 0.0, (record["instance_id"], info["verifier"])  # what test.sh wrote, nothing else
 
 
