@@ -16,8 +16,10 @@ from tests.support.harbor_tasks import add_broken_build, make_dataset
 pytestmark = pytest.mark.timeout(600)
 
 
-def _check(*args: str, env_url: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DOCKER_HOST": env_url}
+def _check(*args: str, env_url: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    if env_url:
+        env["DOCKER_HOST"] = env_url
     return subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "tasks", "check", *args], env=env,
                           capture_output=True, text=True, timeout=500)
 
@@ -29,13 +31,13 @@ def _rows(out: str) -> dict[str, str]:
 def test_reference_solutions_score_one_and_broken_tasks_are_named(tmp_path: Path,
                                                                    docker_env: DockerEnv) -> None:  # noqa: F811
     dataset = make_dataset(tmp_path / "tasks", docker_env.image)
-    clean = _check(str(dataset), env_url=docker_env.url)  # parse only: no Engine needed
+    clean = _check(str(dataset), env_url=None)  # parse only: no Engine needed
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "4/4 tasks ok" in clean.stdout
     add_broken_build(dataset)
     toml = dataset / "hello" / "task.toml"
     toml.write_text(toml.read_text().replace("timeout_sec = 60.0", "timeout_sec = -1"))
-    done = _check(str(dataset), "--solutions", env_url=docker_env.url)
+    done = _check(str(dataset), "--solutions", "--docker-host", docker_env.url, env_url=None)
     assert done.returncode == 1, done.stdout + done.stderr
     rows = _rows(done.stdout)
     assert rows["TASK"].split() == ["TASK", "PARSE", "IMAGE", "SOLUTION", "OK"]

@@ -39,6 +39,7 @@ def test_the_tasks_settings_replace_the_runs(tmp_path: Path) -> None:
     assert host["Memory"] == 1024 << 20 and host["NanoCpus"] == 2_000_000_000 and host["NetworkMode"] == "none"
     assert "/app" not in host["Tmpfs"]  # the image's /app, its files kept
     assert host["Tmpfs"]["/tmp"].endswith("mode=1777") and "size=100m" in host["Tmpfs"]["/tmp"]
+    assert "size=100m" in host["Tmpfs"]["/home/agent"] and host["ShmSize"] == 100 << 20  # storage_mb, each
     assert host["ReadonlyRootfs"] is False and host["CapDrop"] == ["ALL"]
     own = parse({"agent": {"command": "true", "timeout_s": 30, "sandbox": {"backend": "docker"}}}, SERVER)
     assert harbor_config(own, sample).timeout_s == 30.0  # the run's own timeout wins
