@@ -146,3 +146,33 @@ def image_present(env: DockerEnv, tag: str) -> bool:
     from rollout_buffer.agents.docker_engine import image_exists
 
     return asyncio.run(image_exists(tag, {"docker_host": env.url}))
+
+
+def test_a_harbor_dataset_trains_through_slimes_adapter(server: ServerProcess, client: httpx.Client, tmp_path: Path,
+                                                        docker_env: DockerEnv, rollout_engine: Any,  # noqa: F811
+                                                        qwen_tokenizer_path: str) -> None:
+    """slime's own arguments: `--prompt-data` the dataset folder, the agent in `--agent-start-options`."""
+    from types import SimpleNamespace
+
+    from slime_adapter.buffer_client import start_rollout
+    from slime_adapter.build import build_group_samples
+
+    dataset = make_dataset(tmp_path / "tasks", docker_env.image)
+    for name in ("fix-bug", "no-reward"):
+        shutil.rmtree(dataset / name)
+    agent = {**scripted_agent("solve"), "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url}}}
+    run_id = f"harbor-slime-{uuid.uuid4().hex[:8]}"
+    args = SimpleNamespace(
+        agent_rollout_buffer_url=server.url, prompt_data=str(dataset), rollout_task_type="agent_command",
+        n_samples_per_prompt=2, rollout_batch_size=2, num_epoch=1, hf_checkpoint=qwen_tokenizer_path,
+        rollout_max_response_len=16, rollout_temperature=1.0, rollout_top_p=1.0, rollout_num_process=8,
+        agent_rollout_run_id=run_id, sglang_router_ip="127.0.0.1",
+        sglang_router_port=int(rollout_engine.url.rsplit(":", 1)[1]),
+        agent_start_options=json.dumps({"agent": agent}))
+    answer = start_rollout(server.url, args, None)
+    assert answer["run_id"] == run_id, answer
+    wait_status(client, run_id, "finished", timeout_s=300)
+    records = drain(client, run_id, 4, timeout_s=60)
+    assert {r["instance_id"]: r["reward"] for r in records} == {"hello": 1.0, "partial": 0.5}
+    samples, stats = build_group_samples(records, lambda: pytest.fail("the token path needs no tokenizer"))
+    assert stats.token_path_records == 4 and len(samples) == 4
