@@ -64,6 +64,8 @@ def test_harbor_tasks_train_with_a_scripted_agent(server: ServerProcess, client:
                                                   docker_env: DockerEnv, rollout_engine: Any,  # noqa: F811
                                                   qwen_tokenizer_path: str) -> None:
     dataset = add_broken_build(make_dataset(tmp_path / "tasks", docker_env.image))
+    # a content of its own, so this run builds fix-bug's image (an Engine's cache from an earlier run would not)
+    (dataset / "fix-bug" / "environment" / "nonce.txt").write_text(uuid.uuid4().hex)
     answer = _start(client, dataset, scripted_agent("solve"), docker_env, rollout_engine.url, qwen_tokenizer_path,
                     repeats=2)
     assert answer.status_code == 200, answer.text
@@ -99,6 +101,7 @@ def test_harbor_tasks_train_with_a_scripted_agent(server: ServerProcess, client:
     # the built image stays in the Engine's cache, tagged by its environment's content hash: built once
     tag = f"rollout-buffer-harbor/fix-bug:{environment_hash(dataset / 'fix-bug' / 'environment')}"
     assert image_present(docker_env, tag)
+    remove_image(docker_env, tag)  # the next run builds its own
     assert not docker_sandboxes_of(docker_env, run_id), "every container was removed"
 
 
@@ -176,3 +179,15 @@ def test_a_harbor_dataset_trains_through_slimes_adapter(server: ServerProcess, c
     assert {r["instance_id"]: r["reward"] for r in records} == {"hello": 1.0, "partial": 0.5}
     samples, stats = build_group_samples(records, lambda: pytest.fail("the token path needs no tokenizer"))
     assert stats.token_path_records == 4 and len(samples) == 4
+
+
+def remove_image(env: DockerEnv, tag: str) -> None:
+    import asyncio
+
+    import aiodocker
+
+    async def remove() -> None:
+        async with aiodocker.Docker(url=env.url) as docker:
+            await docker.images.delete(tag, force=True)
+
+    asyncio.run(remove())
