@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("test-engine", help="run the SGLang-protocol test engine", add_help=False)
     sub.add_parser("demo", help="run everything on this machine and show what the trainer receives", add_help=False)
     sub.add_parser("bench", help="run the benchmark suite", add_help=False)
+    sub.add_parser("tasks", help="check a folder of Harbor task folders (tasks check DIR [--build] [--solutions])",
+                   add_help=False)
     return parser
 
 
@@ -219,8 +221,12 @@ def serve(settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     hide_torch_notice()  # before any command imports transformers: the buffer needs no torch
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("status", "test-engine", "demo", "bench"):
+    if argv and argv[0] in ("status", "test-engine", "demo", "bench", "tasks"):
         command, rest = argv[0], argv[1:]
+        if command == "tasks":
+            from rollout_buffer.agents.harbor.check import cli_main
+
+            return cli_main(rest)
         if command == "status":
             from rollout_buffer.status import main as status_main
 

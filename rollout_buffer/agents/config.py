@@ -9,6 +9,7 @@ field) and read by every rollout.
               "setup": "pip install -e .",                    # run in the sandbox before the agent
               "timeout_s": 300, "verifier": {"type": "exact_answer"},
               "sandbox": {"backend": "bwrap", "options": {}, "limits": {"memory_mb": 4096}, "pool": 0},
+              "preset": "claude-code", "install": "/opt/agents/claude",  # agents/presets.py
               "max_concurrent_agents": 8, "output_tail_chars": 4000}
 
 `sandbox.backend` is one the server enabled (`--agent-sandbox`; default: the first of them): `bwrap`,
@@ -29,6 +30,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_buffer.agents.presets import PresetError, expand
 from rollout_buffer.agents.sandbox import Limits, SandboxError, factory_path, load_factory
 from rollout_buffer.agents.verifiers import Verifier, verifier_from
 from rollout_buffer.tasks.contract import InvalidSample, ServerFacts
@@ -36,7 +38,7 @@ from rollout_buffer.tasks.contract import InvalidSample, ServerFacts
 FIELDS = ("prompt", "instance_id", "session_id", "api_key", "openai_base_url", "anthropic_base_url", "workdir",
           "home")
 _KEYS = {"command", "api", "env", "files", "setup", "timeout_s", "verifier", "sandbox", "max_concurrent_agents",
-         "output_tail_chars", "setup_timeout_s"}
+         "output_tail_chars", "setup_timeout_s", "preset", "install"}
 _API_ENV = {"anthropic": {"ANTHROPIC_BASE_URL": "{anthropic_base_url}", "ANTHROPIC_API_KEY": "{api_key}"},
             "openai": {"OPENAI_BASE_URL": "{openai_base_url}", "OPENAI_API_KEY": "{api_key}"}}
 
@@ -142,6 +144,10 @@ def parse(options: dict[str, Any], server: ServerFacts, *, check_backend: bool =
     unknown = set(raw) - _KEYS
     if unknown:
         raise AgentConfigError("agent", f"unknown option(s) {sorted(unknown)}; known: {sorted(_KEYS)}")
+    try:
+        raw = expand(raw)  # a harness preset's command, variables and files (agents/presets.py)
+    except PresetError as exc:
+        raise AgentConfigError(exc.field, exc.reason) from exc
     command = raw.get("command")
     if isinstance(command, str):
         try:

@@ -82,15 +82,21 @@ def _tmpfs(disk_mb: int | None, owner: tuple[int, int] | None) -> str:
 
 def container_spec(*, image: str, limits: Limits, agent: tuple[int, int], work: str, home: str,
                    lifetime_s: float, owner: str, name: str, model_socket: str | None,
-                   forwarder: Path, ro_binds: list[str] | None = None) -> dict[str, Any]:
-    """The create body of one sandbox container (see the module docstring for why each part is there)."""
+                   forwarder: Path, ro_binds: list[str] | None = None, image_root: bool = False) -> dict[str, Any]:
+    """The create body of one sandbox container (see the module docstring for why each part is there).
+    `image_root` (Harbor tasks): the root is the image's own, writable, and the work folder keeps the image's
+    files (no tmpfs over it); root in the container keeps CHOWN, DAC_OVERRIDE and FOWNER so the verifier can
+    hand the work folder to the agent user and empty what the agent left. The agent user never holds them."""
+    tmpfs = {home: _tmpfs(limits.disk_mb, agent), "/tmp": _tmpfs(limits.disk_mb, None)}
+    if not image_root:
+        tmpfs[work] = _tmpfs(limits.disk_mb, agent)
     host: dict[str, Any] = {
-        "NetworkMode": "none", "ReadonlyRootfs": True, "Init": True, "AutoRemove": True, "Privileged": False,
-        "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"], "IpcMode": "private",
-        "Tmpfs": {work: _tmpfs(limits.disk_mb, agent), home: _tmpfs(limits.disk_mb, agent),
-                  "/tmp": _tmpfs(limits.disk_mb, None)},
-        "Binds": [], "Ulimits": [],
+        "NetworkMode": "none", "ReadonlyRootfs": not image_root, "Init": True, "AutoRemove": True,
+        "Privileged": False, "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"], "IpcMode": "private",
+        "Tmpfs": tmpfs, "Binds": [], "Ulimits": [],
     }
+    if image_root:
+        host["CapAdd"] = ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
     if limits.disk_mb:
         host["ShmSize"] = limits.disk_mb << 20
     if limits.pids:
@@ -111,7 +117,9 @@ def container_spec(*, image: str, limits: Limits, agent: tuple[int, int], work: 
               DEADLINE_LABEL: str(int(time.time() + lifetime_s)), "rollout-buffer.name": name[:200]}
     # the main process reads the worker's attached stdin: when the worker's end closes (cleanup, or the worker
     # dies), or at the lifetime, it exits and the container goes (AutoRemove)
-    return {"Image": image, "Entrypoint": ["timeout", str(int(lifetime_s)), "cat"], "Cmd": [], "User": KEEPER_USER,
+    # with `image_root` the main process is root's (only then does an exec as root keep the added capabilities)
+    return {"Image": image, "Entrypoint": ["timeout", str(int(lifetime_s)), "cat"], "Cmd": [],
+            "User": "0:0" if image_root else KEEPER_USER,
             "WorkingDir": work, "Env": [], "Labels": labels, "NetworkDisabled": True, "OpenStdin": True,
             "StdinOnce": True, "AttachStdin": True, "AttachStdout": False, "AttachStderr": False, "Tty": False,
             "HostConfig": host}

@@ -5,7 +5,8 @@ is awaitable because making a container must await; `open_sandbox` awaits it). O
 never pulled), `workdir` (default `/app`, Harbor's), `home` (default `/home/agent`), `user` (numeric
 `uid[:gid]`, default `1000:1000`), `lifetime_s` (the container removes itself after it, default 6 h),
 `owner` (see `remove_stale_containers`), `docker_host`, `ro_binds` (host folders mounted read-only at the
-same path, e.g. an agent CLI's install).
+same path, e.g. an agent CLI's install), `image_root` (Harbor tasks: the image's writable root, its work
+folder's files kept and handed to the agent user; `exec_root` runs the verifier as root).
 
 The image needs `sh`, `env`, `cat`, `mkdir`, `timeout` (any Debian-like base), and `python3` when the run has
 a model socket: the forwarder (`forwarder.py`, mounted read-only with the socket's folder at
@@ -72,6 +73,8 @@ def check_image(options: dict[str, Any]) -> None:
         raise SandboxError("options.docker_host must be a unix socket of this host (unix:///...); for an Engine "
                            "elsewhere, set DOCKER_HOST for the server")
     image = options.get("image")
+    if image is None:  # each line names its own (`image`, or a Harbor task's); a line without one fails alone
+        return
     if not isinstance(image, str) or not image:
         raise SandboxError("the docker sandbox needs options.image (an image the Docker Engine has)")
     if not asyncio.run(engine.image_exists(image, options)):
@@ -134,7 +137,8 @@ class DockerSandbox:
             image=self.image, limits=self.limits, agent=(self.uid, self.gid), work=self.work, home=self.home,
             lifetime_s=self.lifetime_s, owner=str(self.options.get("owner") or engine.DEFAULT_OWNER), name=self.name,
             model_socket=self.model_socket, forwarder=FORWARDER,
-            ro_binds=[str(Path(p).resolve()) for p in self.options.get("ro_binds") or []])
+            ro_binds=[str(Path(p).resolve()) for p in self.options.get("ro_binds") or []],
+            image_root=bool(self.options.get("image_root")))
         try:
             image = await self._docker.images.inspect(self.image)
         except DockerError as exc:
@@ -155,6 +159,25 @@ class DockerSandbox:
             await container.start()
         except engine.ENGINE_ERRORS as exc:
             raise engine.engine_error(f"create a container of {self.image!r}", exc) from exc
+        if self.options.get("image_root"):  # the image's work folder, its files the agent's to change
+            code, _, err = await self._run(["sh", "-c", 'mkdir -p -- "$1" && chown -R "$2" -- "$1"', "sh", self.work,
+                                            f"{self.uid}:{self.gid}"], user="0:0")
+            if code != 0:
+                raise SandboxError(f"docker: cannot hand {self.work} to the agent user (exit {code}: {err[-300:]!r})")
+
+    async def exec_root(self, argv: list[str], *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
+        """A command as root in the container, never the agent's (Harbor's verifier: it empties /tests and
+        /logs/verifier, uploads the tests, runs them, reads the reward). `timeout` bounds it inside, and the
+        call gives up `KILL_BUDGET_S` later whatever happens there."""
+        started = time.monotonic()
+        wrapped = ["timeout", "-k", "5", str(max(1, int(timeout_s))), *argv]
+        try:
+            code, out, err = await asyncio.wait_for(
+                self._run(wrapped, user="0:0", stdin=stdin, limit=self.limits.output_bytes), timeout_s + KILL_BUDGET_S)
+        except TimeoutError:
+            code, out, err = 137, b"", "the command did not end at its deadline"
+        return ExecResult(exit_code=code, stdout=out.decode(errors="replace"), stderr=err, timed_out=code in (124, 137),
+                          duration_s=round(time.monotonic() - started, 3))
 
     async def _start_forwarder(self) -> None:
         """Serve the model socket on the container's loopback, and wait until it answers."""

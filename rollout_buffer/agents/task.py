@@ -7,10 +7,12 @@ verifier, clean the sandbox up (always, also on cancel and at the runtime's dead
 the reward, and in `extra_info["agent"]` the agent's exit status, duration and bounded stdout/stderr tails.
 Failures are records with `status="failed"` and an `error_type`, counted per type in `GET /runs/{id}` and
 `/metrics` like any task's: `agent_timeout`, `agent_exit` (non-zero exit), `setup_failed`,
-`verifier_error`. An infrastructure failure (`SandboxError`: the sandbox could not be made or a command
-could not be started) is retried once with a new sandbox; an agent's own failure never is. One that
-persists is `sandbox_error`, marked `extra_info["infrastructure"]`: never a reward, its group is dropped at
-hand-over and counted (`rollout_buffer.runs.reads`).
+`verifier_error`. A Harbor task (a sample with `harbor`, read from a task folder) runs in its own image with
+its own limits and its tests/test.sh as the verifier (`rollout_buffer.agents.harbor`). An infrastructure
+failure (`SandboxError`: the sandbox could not be made or a command could not be started) is retried once
+with a new sandbox; an agent's own failure never is. One that persists is `sandbox_error`, marked
+`extra_info["infrastructure"]`: never a reward, its group is dropped at hand-over and counted
+(`rollout_buffer.runs.reads`); so is a Harbor task's `verifier_error` (its test.sh wrote no reward).
 
 The agent's key is model-only (its session belongs to the rollout: it cannot finish it; the reward is the
 verifier's). In an isolating sandbox (bwrap, docker) the agent's base URL is the sandbox's own loopback,
@@ -29,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_buffer.agents.config import AgentConfig, AgentConfigError, fill, parse
+from rollout_buffer.agents.harbor.plan import harbor_config, harbor_options
 from rollout_buffer.agents.pool import Prepared, SandboxPool, prepare
 from rollout_buffer.agents.sandbox import Sandbox, SandboxError
 from rollout_buffer.agents.verifiers import AgentResult, VerifierError, as_verifier, final_text, run_verifier
@@ -124,6 +127,11 @@ def make_rollout(*, prepare: Prepare | None = None, command: Command | None = No
             config = config_of(ctx.extra.get("options") or {}, ctx.server)
         except AgentConfigError as exc:  # e.g. a worker that does not enable the run's backend
             return _failed(sample, "agent_config", f"{exc.field}: {exc.reason}", {})
+        if sample.get("harbor"):  # a Harbor task folder: its image, limits, timeout and test-script verifier
+            try:
+                config = harbor_config(config, sample)
+            except AgentConfigError as exc:
+                return _failed(sample, "agent_config", f"{exc.field}: {exc.reason}", {})
         slot = _slot(ctx.run_id, config.max_concurrent_agents)
         async with slot:
             return await _run(sample, ctx, config, steps)
@@ -184,6 +192,8 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
             try:
                 verdict = await run_verifier(steps["verify"] or config.verifier, sandbox, sample, agent)
             except VerifierError as exc:
+                if sample.get("harbor"):  # no reward file is no verdict: never trained on as a zero
+                    info["infrastructure"] = True
                 raise StepFailed("verifier_error", str(exc)) from exc
         except SandboxError as exc:
             if attempt == 2:  # not the agent's doing: never a reward; its group is dropped, counted
@@ -212,12 +222,14 @@ async def _sandbox(ctx: RolloutContext, config: AgentConfig, session: dict[str, 
     options = dict(config.sandbox_options)
     if sample.get("image"):
         options["image"] = sample["image"]
+    if sample.get("harbor"):
+        options = await harbor_options(sample, options)
 
     def make() -> Any:
         return prepare(config.backend, name=f"{ctx.run_id}-{sample['instance_id']}", limits=config.limits,
                        options=options, upstream=upstream)
 
-    if config.pool and not sample.get("image"):
+    if config.pool and not sample.get("image") and not sample.get("harbor"):
         key = json.dumps([ctx.run_id, config.raw], sort_keys=True, default=str)
         if key not in _pools:
             _pools[key] = SandboxPool(config.pool, make, lambda: _pools.pop(key, None))

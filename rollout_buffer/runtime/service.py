@@ -41,6 +41,7 @@ from rollout_buffer.security.auth import run_write_url
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys
 from rollout_buffer.store.store import Store
+from rollout_buffer.tasks import input_file
 from rollout_buffer.tasks.discovery import TaskModule, TaskRegistry
 from rollout_buffer.wire.schema import StartRolloutRequest
 
@@ -49,9 +50,12 @@ ENQUEUE_RETRY_S = 1.0
 
 
 def count_lines(path: str) -> int:
-    """Non-blank lines of a file (a legacy module reads the file itself; only its size is checked here)."""
-    with open(path, "rb") as handle:
-        return sum(1 for raw in handle if raw.strip())
+    """Non-blank lines of a file, or a Harbor dataset's tasks (a legacy module reads the file itself; only its
+    size is checked here)."""
+    try:
+        return input_file.count_lines(path)
+    except input_file.InputFileError as exc:
+        raise StartRolloutError("input_file", str(exc)) from exc
 
 
 def check_task_count(lines: int, request: StartRolloutRequest, limit: int) -> None:

@@ -88,10 +88,10 @@ class AccessPolicy:
         return real if any(_under(real, root) for root in self.roots) else None
 
     def input_file(self, path: str) -> str:
-        """The real path of a readable regular file under a root; AccessDenied (one message for every
-        reason) otherwise."""
+        """The real path of a readable regular file (or a Harbor dataset folder) under a root; AccessDenied
+        (one message for every reason) otherwise."""
         real = self._inside(path)
-        if real is None or not real.is_file() or not os.access(real, os.R_OK):
+        if real is None or not (real.is_file() or _task_folders(real)) or not os.access(real, os.R_OK):
             roots = (f"{', '.join(str(r) for r in self.roots)}; add a folder with --input-root" if self.show_roots
                      else "--input-root")
             raise AccessDenied("input_file", f"{path!r} is not a readable file under the server's input roots "
@@ -170,3 +170,15 @@ def url_allowed(url: str, prefix: str) -> bool:
     if "/../" in f"{target}/" or "/./" in f"{target}/":
         return False
     return not path or target == path or target.startswith(path + "/")
+
+
+def _task_folders(path: Path) -> bool:
+    """Whether a folder is a Harbor dataset: a task folder, or one holding task folders (each with a
+    task.toml or an instruction.md); any other folder is refused like a missing file."""
+    def is_task(folder: Path) -> bool:
+        return (folder / "task.toml").is_file() or (folder / "instruction.md").is_file()
+
+    try:
+        return path.is_dir() and (is_task(path) or any(p.is_dir() and is_task(p) for p in path.iterdir()))
+    except OSError:
+        return False

@@ -6,8 +6,13 @@ become their decimal text. Blank lines are skipped but still counted, so line nu
 editor's. A bad line raises `InputFileError` naming it; callers refuse the whole file, since a
 half-enqueued run would be worse than none.
 
-This module depends on nothing else in the package, so both the API's start checks (`rollout_buffer.runs.lifecycle`)
-and the runtime (`rollout_buffer.runtime.inputs`) can use it.
+A folder, or a line with `"task_dir"`, is a Harbor task (`rollout_buffer.tasks.harbor`): a folder of task
+folders is read as one line per task (line numbers count its tasks), a JSONL line naming a task folder
+becomes that task's sample (the line's other keys kept, `instance_id` the folder's name unless the line sets
+one).
+
+This module depends on nothing else in the package but the Harbor format, so both the API's start checks
+(`rollout_buffer.runs.lifecycle`) and the runtime (`rollout_buffer.runtime.inputs`) can use it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from rollout_buffer.tasks.harbor import HarborTaskError, named_task, read_task, task_dirs
 
 
 class InputFileError(ValueError):
@@ -37,6 +44,23 @@ def parse_line(path: str | Path, number: int, raw: bytes, seen: dict[str, int]) 
         raise InputFileError(path, number, f"not valid JSON ({exc})") from exc
     if not isinstance(sample, dict):
         raise InputFileError(path, number, f"expected a JSON object, got {type(sample).__name__}")
+    if "task_dir" in sample:
+        return checked_id(path, number, _expand(path, number, sample), seen)
+    return checked_id(path, number, sample, seen)
+
+
+def _expand(path: str | Path, number: int, line: dict[str, Any]) -> dict[str, Any]:
+    """A line naming a Harbor task folder -> the task's sample, with the line's other keys over it."""
+    extra = {k: v for k, v in line.items() if k != "task_dir"}
+    try:
+        task = read_task(named_task(path, line["task_dir"], str(line.get("instance_id") or line["task_dir"])))
+    except HarborTaskError as exc:
+        raise InputFileError(path, number, str(exc)) from exc
+    return {**task, **extra}
+
+
+def checked_id(path: str | Path, number: int, sample: dict[str, Any], seen: dict[str, int]) -> dict[str, Any]:
+    """The sample with its `instance_id` checked (text, unique) or assigned from the line number."""
     instance_id = sample.get("instance_id")
     if instance_id is None:
         instance_id = str(number - 1)
@@ -55,6 +79,9 @@ def parse_line(path: str | Path, number: int, raw: bytes, seen: dict[str, int]) 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, parsed line) for every non-blank line, checked as `parse_line` checks it."""
     seen: dict[str, int] = {}
+    if Path(path).is_dir():
+        yield from _iter_tasks(path, seen)
+        return
     try:
         with open(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
@@ -62,3 +89,26 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                     yield number, parse_line(path, number, raw, seen)
     except OSError as exc:
         raise InputFileError(path, 0, f"is not readable: {exc.strerror}") from exc
+
+
+def _iter_tasks(path: str | Path, seen: dict[str, int]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A folder of Harbor task folders: one sample per task, numbered from 1 in name order."""
+    try:
+        folders = task_dirs(path)
+        for number, folder in enumerate(folders, start=1):
+            yield number, checked_id(path, number, read_task(folder), seen)
+    except HarborTaskError as exc:
+        raise InputFileError(path, 0, str(exc)) from exc
+    except OSError as exc:
+        raise InputFileError(path, 0, f"is not readable: {exc.strerror}") from exc
+
+
+def count_lines(path: str | Path) -> int:
+    """Non-blank lines of a file, or the task folders of a Harbor dataset folder (what a run enqueues)."""
+    if Path(path).is_dir():
+        try:
+            return len(task_dirs(path))
+        except HarborTaskError as exc:
+            raise InputFileError(path, 0, str(exc)) from exc
+    with open(path, "rb") as handle:
+        return sum(1 for raw in handle if raw.strip())

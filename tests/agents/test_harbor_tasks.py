@@ -1,0 +1,193 @@
+"""Harbor task folders as a run's input, through the docker backend: a folder of tasks (one built from its
+environment/Dockerfile) runs with a scripted agent; each record is token-exact against the engine's log, its
+reward is what tests/test.sh wrote (reward.txt, or reward.json with its extra keys), a task whose test.sh
+writes no reward is a counted verifier_error (never a zero), and a hostile agent finds no test and no
+solution and cannot plant a reward. Bad task folders are refused at /start_rollout naming task and field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_buffer.tasks.harbor import environment_hash
+from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
+from tests.support.gateway import assert_turns_are_engine_calls, engine_calls_of
+from tests.support.harbor_tasks import add_broken_build, make_dataset, scripted_agent
+from tests.support.helpers import ServerProcess, ServerSpec
+from tests.support.runtime_helpers import drain, run_detail, wait_status
+
+pytestmark = pytest.mark.timeout(600)
+SERVER = ServerSpec(args=("--agent-sandbox", "docker"))
+
+
+def _start(client: httpx.Client, dataset: Path, agent: dict[str, Any], env: DockerEnv, engine_url: str,
+           tokenizer_path: str, repeats: int = 1) -> httpx.Response:
+    agent = {**agent, "sandbox": {"backend": "docker", "options": {"docker_host": env.url}}}
+    return client.post("/start_rollout", json={
+        "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": repeats,
+        "num_process": 8, "remote_engine_url": engine_url, "tokenizer_path": tokenizer_path,
+        "run_id": f"harbor-{uuid.uuid4().hex[:8]}", "sampling_params": {"max_tokens": 16, "temperature": 1.0},
+        "agent": agent})
+
+
+def test_bad_task_folders_are_refused_naming_task_and_field(server: ServerProcess, client: httpx.Client,
+                                                            tmp_path: Path, docker_env: DockerEnv,  # noqa: F811
+                                                            rollout_engine: Any, qwen_tokenizer_path: str) -> None:
+    good = make_dataset(tmp_path / "good", docker_env.image)
+    cases = {"instruction.md": lambda t: (t / "instruction.md").unlink(),
+             "task.toml [verifier] timeout_sec": lambda t: (t / "task.toml").write_text(
+                 (t / "task.toml").read_text().replace("timeout_sec = 60.0", 'timeout_sec = "soon"')),
+             "task.toml": lambda t: (t / "task.toml").write_text("[agent\n"),
+             "tests/test.sh": lambda t: (t / "tests" / "test.sh").unlink()}
+    for field, breaks in cases.items():
+        dataset = tmp_path / f"bad-{uuid.uuid4().hex[:6]}"
+        shutil.copytree(good, dataset)
+        breaks(dataset / "partial")
+        answer = _start(client, dataset, scripted_agent("solve"), docker_env, rollout_engine.url, qwen_tokenizer_path)
+        assert answer.status_code in (400, 422), answer.text
+        assert "task 'partial'" in answer.text and field in answer.text, (field, answer.text)
+    # a JSONL naming a folder outside its own folder is refused too
+    listing = tmp_path / "sub" / "tasks.jsonl"
+    listing.parent.mkdir()
+    listing.write_text('{"task_dir": "../good/hello"}\n')
+    answer = _start(client, listing, scripted_agent("solve"), docker_env, rollout_engine.url, qwen_tokenizer_path)
+    assert answer.status_code in (400, 422) and "leaves the JSONL file's folder" in answer.text, answer.text
+
+
+def test_harbor_tasks_train_with_a_scripted_agent(server: ServerProcess, client: httpx.Client, tmp_path: Path,
+                                                  docker_env: DockerEnv, rollout_engine: Any,  # noqa: F811
+                                                  qwen_tokenizer_path: str) -> None:
+    dataset = add_broken_build(make_dataset(tmp_path / "tasks", docker_env.image))
+    # a content of its own, so this run builds fix-bug's image (an Engine's cache from an earlier run would not)
+    (dataset / "fix-bug" / "environment" / "nonce.txt").write_text(uuid.uuid4().hex)
+    answer = _start(client, dataset, scripted_agent("solve"), docker_env, rollout_engine.url, qwen_tokenizer_path,
+                    repeats=2)
+    assert answer.status_code == 200, answer.text
+    run_id = answer.json()["run_id"]
+    detail = wait_status(client, run_id, "finished", timeout_s=400)
+    records = drain(client, run_id, 6, timeout_s=60)  # no-reward's group is dropped: a verifier_error
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_task.setdefault(record["instance_id"], []).append(record)
+    assert sorted(by_task) == ["fix-bug", "hello", "partial"] and all(len(v) == 2 for v in by_task.values())
+    for record in records:
+        info = record["extra_info"]
+        assert record["status"] in ("completed", "truncated"), info  # truncated: the engine hit max_tokens
+        assert_turns_are_engine_calls(record, engine_calls_of(rollout_engine, info["session_id"]))
+        assert len(record["turns"]) == 1
+        seen = json.loads(info["agent"]["stdout_tail"].strip().splitlines()[-1])
+        assert seen["cwd"] == "/app"  # the image's working folder (Harbor's default)
+        assert seen["limits"] == {"memory": str(512 << 20), "cpu": "100000"}  # task.toml's limits
+    assert [r["reward"] for r in by_task["hello"]] == [1.0, 1.0]
+    assert "GREETING=hi there" in by_task["hello"][0]["extra_info"]["verifier"]["test_stdout_tail"]
+    assert [r["reward"] for r in by_task["fix-bug"]] == [1.0, 1.0]  # its image was built from environment/
+    for record in by_task["partial"]:  # non-binary, extra keys kept
+        assert record["reward"] == 0.5
+        assert record["extra_info"]["verifier"]["passed"] == 1 and record["extra_info"]["verifier"]["total"] == 2
+    failures = detail["failures"]
+    assert failures["by_type"]["verifier_error"]["count"] == 2, failures
+    assert "wrote no reward" in failures["by_type"]["verifier_error"]["example"]
+    # a build that fails is the infrastructure's failure of that task: counted, its group dropped, no reward
+    assert failures["by_type"]["sandbox_error"]["count"] == 2, failures
+    assert "build failed" in failures["by_type"]["sandbox_error"]["example"]
+    drops = run_detail(client, run_id)["drops"]  # counted as the groups were read
+    assert drops["sandbox_error"] == 2, drops  # no-reward's and broken-build's groups: never trained on
+    # the built image stays in the Engine's cache, tagged by its environment's content hash: built once
+    tag = f"rollout-buffer-harbor/fix-bug:{environment_hash(dataset / 'fix-bug' / 'environment')}"
+    assert image_present(docker_env, tag)
+    remove_image(docker_env, tag)  # the next run builds its own
+    assert not docker_sandboxes_of(docker_env, run_id), "every container was removed"
+
+
+def test_hostile_agent_finds_no_tests_or_solution_and_plants_no_reward(
+        server: ServerProcess, client: httpx.Client, tmp_path: Path, docker_env: DockerEnv,  # noqa: F811
+        rollout_engine: Any, qwen_tokenizer_path: str) -> None:
+    dataset = make_dataset(tmp_path / "tasks", docker_env.image)
+    shutil.rmtree(dataset / "fix-bug")
+    # no-reward's test.sh writes no reward; in an image that leaves /tests and /logs/verifier open to everyone the
+    # agent plants one there: had they not been emptied, the planted reward would count
+    # (and open-doors, hello in the same image, shows the plants land there)
+    shutil.copytree(dataset / "hello", dataset / "open-doors")
+    for doors in (dataset / "no-reward", dataset / "open-doors"):
+        toml = doors / "task.toml"
+        toml.write_text("\n".join(line for line in toml.read_text().splitlines()
+                                   if not line.startswith("docker_image")))
+        (doors / "environment").mkdir()
+        (doors / "environment" / "Dockerfile").write_text(
+            f"FROM {docker_env.image}\nRUN mkdir -p /logs/verifier /tests && chmod 0777 /logs /logs/verifier /tests\n")
+    answer = _start(client, dataset, scripted_agent("hostile"), docker_env, rollout_engine.url, qwen_tokenizer_path)
+    assert answer.status_code == 200, answer.text
+    wait_status(client, answer.json()["run_id"], "finished", timeout_s=300)
+    records = drain(client, answer.json()["run_id"], 3, timeout_s=60)
+    assert sorted(r["instance_id"] for r in records) == ["hello", "open-doors", "partial"]
+    failures = run_detail(client, answer.json()["run_id"])["failures"]["by_type"]
+    assert failures["verifier_error"]["count"] == 1 and "wrote no reward" in failures["verifier_error"]["example"]
+    for record in records:
+        info = record["extra_info"]
+        report = json.loads(info["agent"]["stdout_tail"].strip().splitlines()[-1])
+        assert report["uid"] != 0
+        assert report["secret_hits"] == [], report  # no test or solution content anywhere it can read
+        if record["instance_id"] == "open-doors":
+            assert report["found"] == ["/tests"], report  # the image's empty folder, nothing in it
+            assert {"/logs/verifier/reward.txt", "/tests/test.sh"} <= set(report["planted"]), report
+            assert "GREETING=hi there" in info["verifier"]["test_stdout_tail"]  # the task's own test.sh ran
+        else:
+            assert report["found"] == [], report  # no tests/, no solution/, no test.sh anywhere it can read
+            assert "/logs/verifier/reward.txt" not in report["planted"] and "/tests/test.sh" not in report["planted"]
+        assert record["reward"] == 0.0, (record["instance_id"], info["verifier"])  # what test.sh wrote, nothing else
+
+
+def image_present(env: DockerEnv, tag: str) -> bool:
+    import asyncio
+
+    from rollout_buffer.agents.docker_engine import image_exists
+
+    return asyncio.run(image_exists(tag, {"docker_host": env.url}))
+
+
+def test_a_harbor_dataset_trains_through_slimes_adapter(server: ServerProcess, client: httpx.Client, tmp_path: Path,
+                                                        docker_env: DockerEnv, rollout_engine: Any,  # noqa: F811
+                                                        qwen_tokenizer_path: str) -> None:
+    """slime's own arguments: `--prompt-data` the dataset folder, the agent in `--agent-start-options`."""
+    from types import SimpleNamespace
+
+    from slime_adapter.buffer_client import start_rollout
+    from slime_adapter.build import build_group_samples
+
+    dataset = make_dataset(tmp_path / "tasks", docker_env.image)
+    for name in ("fix-bug", "no-reward"):
+        shutil.rmtree(dataset / name)
+    agent = {**scripted_agent("solve"), "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url}}}
+    run_id = f"harbor-slime-{uuid.uuid4().hex[:8]}"
+    args = SimpleNamespace(
+        agent_rollout_buffer_url=server.url, prompt_data=str(dataset), rollout_task_type="agent_command",
+        n_samples_per_prompt=2, rollout_batch_size=2, num_epoch=1, hf_checkpoint=qwen_tokenizer_path,
+        rollout_max_response_len=16, rollout_temperature=1.0, rollout_top_p=1.0, rollout_num_process=8,
+        agent_rollout_run_id=run_id, sglang_router_ip="127.0.0.1",
+        sglang_router_port=int(rollout_engine.url.rsplit(":", 1)[1]),
+        agent_start_options=json.dumps({"agent": agent}))
+    answer = start_rollout(server.url, args, None)
+    assert answer["run_id"] == run_id, answer
+    wait_status(client, run_id, "finished", timeout_s=300)
+    records = drain(client, run_id, 4, timeout_s=60)
+    assert {r["instance_id"]: r["reward"] for r in records} == {"hello": 1.0, "partial": 0.5}
+    samples, stats = build_group_samples(records, lambda: pytest.fail("the token path needs no tokenizer"))
+    assert stats.token_path_records == 4 and len(samples) == 4
+
+
+def remove_image(env: DockerEnv, tag: str) -> None:
+    import asyncio
+
+    import aiodocker
+
+    async def remove() -> None:
+        async with aiodocker.Docker(url=env.url) as docker:
+            await docker.images.delete(tag, force=True)
+
+    asyncio.run(remove())
