@@ -157,8 +157,8 @@ def test_a_harbor_dataset_trains_through_slimes_adapter(server: ServerProcess, c
     """slime's own arguments: `--prompt-data` the dataset folder, the agent in `--agent-start-options`."""
     from types import SimpleNamespace
 
-    from slime_adapter.buffer_client import start_rollout
-    from slime_adapter.build import build_group_samples
+    from slime_adapter.reading.buffer_client import start_rollout
+    from slime_adapter.samples.build import build_group_samples
 
     dataset = make_dataset(tmp_path / "tasks", docker_env.image)
     for name in ("fix-bug", "no-reward"):
