@@ -19,6 +19,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from rollout_buffer.metrics.processes import API_REQUESTS
+
 MAX_DEFAULT_CONNECTIONS = 4096
 _BUSY_BODY = b'{"success": false, "message": "too many connections; retry in a moment"}'
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -88,6 +90,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
+        API_REQUESTS.inc()  # here rather than in a middleware: one call, no extra ASGI layer per request
         super().on_response_complete()
         self.waiting_since = None  # idle now: uvicorn's keep-alive timeout closes it if nothing comes
 
