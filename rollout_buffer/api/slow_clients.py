@@ -89,8 +89,13 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._headers_done()
         super().on_headers_complete()
 
+    def on_message_complete(self) -> None:
+        # counted when the request is in, before its answer: here rather than in a middleware (one call, no
+        # extra ASGI layer per request)
+        API_REQUESTS.inc()
+        super().on_message_complete()
+
     def on_response_complete(self) -> None:
-        API_REQUESTS.inc()  # here rather than in a middleware: one call, no extra ASGI layer per request
         super().on_response_complete()
         self.waiting_since = None  # idle now: uvicorn's keep-alive timeout closes it if nothing comes
 

@@ -19,7 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Not registered anywhere: `collectors` exports it (a process may hold several apps, as tests do)
-API_REQUESTS = Counter("rollout_buffer_api_requests", "HTTP requests answered, by every API process together",
+API_REQUESTS = Counter("rollout_buffer_api_requests", "HTTP requests received (whole), by every API process together",
                        registry=None)
 
 
