@@ -16,7 +16,7 @@ processes; the children run the API only. What every API process does in the bac
 script or an idempotent write; see their modules). With `--worker-processes 0` the rollout loops run in API
 process 0 only, so their number does not grow with N.
 
-SIGTERM or SIGINT stops the API processes (each a graceful uvicorn shutdown), then the workers, then Redis.
+SIGTERM or SIGINT stops the workers, then the API processes (each a graceful uvicorn shutdown), then Redis.
 A child that dies is restarted with the workers' backoff; a killed parent takes its children with it
 (PR_SET_PDEATHSIG). `/metrics` sums the counters each process keeps (`metrics.processes`).
 """
@@ -129,10 +129,10 @@ async def _supervise(settings: Settings, sock: socket.socket, embedded: Embedded
                 log.error("no API process could start (%d tries each); stopping", GIVE_UP_AFTER)
                 status = 1
                 break
-    finally:
-        await api.stop()
+    finally:  # the order of one process's shutdown: workers (their rollouts end), the API, then Redis
         if workers is not None:
             await workers.stop()
+        await api.stop()
         if watch is not None:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
