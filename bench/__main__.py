@@ -194,8 +194,8 @@ def _scale_rows(r: dict[str, Any]) -> list[Row]:
         ok = c["added_p99_ms"] < 100 and c["errors"] == 0
         rows.append(Row(f"{r['sessions']} sessions x {r['turns']} turns, engine {r['latency_s']:g} s, "
                         f"{c['api_processes']} API proc.",
-                        f"+{c['added_p50_ms']:.0f} / +{c['added_p99_ms']:.0f} ms p50 / p99 added, {c['errors']} errors, "
-                        f"API+Redis {c['peak_rss_mb']:.0f} MB",
+                        f"+{c['added_p50_ms']:.0f} / +{c['added_p99_ms']:.0f} ms p50 / p99 added, "
+                        f"{c['errors']} errors, API+Redis {c['peak_rss_mb']:.0f} MB",
                         f"{c['engine_p50_ms']:.0f} / {c['engine_p99_ms']:.0f} ms bare client (the engine's own)",
                         c["added_p99_ms"], "p99 added <= 100 ms, no error", ok,
                         f"{c['turns_per_s']:.0f} turns/s at {c['api_cpu_ms_per_call']:.2f} ms of API CPU per call: the "

@@ -44,9 +44,9 @@ def fold(path: Path, top: int = 25) -> tuple[dict[str, float], list[tuple[str, f
         if len(frames) < 2 or "rollout_buffer.cli serve" not in frames[1]:
             continue  # the driver, the engine
         body = ";".join(frames[2:])
-        if "_find_and_load" in body or "lifespan" in body or ("concurrent/futures/thread.py" in body
-                                                              and "_WorkItem.run" not in body):
-            continue  # start-up, idle pool threads
+        if "_find_and_load" in body or "lifespan" in body or "load_tokenizer" in body or (
+                "concurrent/futures/thread.py" in body and "_WorkItem.run" not in body):
+            continue  # start-up, the run's tokenizer loading (once per process), idle pool threads
         body = body.rpartition("Runner.run (")[2]
         part = next(name for name, markers in PARTS if any(m in body for m in markers))
         parts[part] += int(count)

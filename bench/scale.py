@@ -39,7 +39,8 @@ def _message(rng: random.Random, index: int, turn: int, words: int) -> str:
             + f". What is {index} + {turn}?")
 
 
-async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int, words: int) -> tuple[dict[Key, float], int]:
+async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int,
+                        words: int) -> tuple[dict[Key, float], int]:
     """Every session's turns, all sessions at once; (seconds per call, errors)."""
     times: dict[Key, float] = {}
     errors = 0

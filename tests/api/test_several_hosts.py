@@ -85,7 +85,8 @@ def test_a_session_moves_between_hosts_behind_haproxy(tmp_path: Path, rollout_en
                 message = raw.parse().choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
                 for call in message.tool_calls or []:
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": calculate(call.function.arguments)})
                 if not message.tool_calls:
                     messages.append({"role": "user", "content": f"Now add {turn + 2}."})
             assert served[0] != served[1], f"the first two turns went to different hosts: {served}"
