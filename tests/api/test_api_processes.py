@@ -124,9 +124,10 @@ def test_sigterm_stops_every_process(tmp_path: Path) -> None:
 
 
 def test_a_dead_api_process_is_replaced_and_a_killed_parent_leaves_nothing(tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path / "data", *TWO).start()
+    server = ServerProcess(tmp_path / "data", *TWO, "--worker-processes", "1").start()
     assert server.proc is not None
     first = api_pids(server)
+    workers = wait_for(lambda: worker_children(server.proc.pid), 30, "the worker process")
     os.kill(first[0], signal.SIGKILL)
     [replacement] = api_pids(server, 1, exclude=(first[1],) + (first[0],))
     now = [first[1], replacement]
@@ -135,9 +136,10 @@ def test_a_dead_api_process_is_replaced_and_a_killed_parent_leaves_nothing(tmp_p
         assert send(conn, "GET", "/health")[0] == 200, "the replacement serves"
     finally:
         conn.close()
-    everything = now + children(server.proc.pid, "redis-server")
+    everything = now + workers + children(server.proc.pid, "redis-server")
     server.kill(signal.SIGKILL)
-    wait_for(lambda: not any(alive(p) for p in everything), 30, "the API processes and Redis died with the parent")
+    wait_for(lambda: not any(alive(p) for p in everything), 30,
+             "the API processes, the worker and Redis died with the parent")
 
 
 def test_the_default_is_one_api_process_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
