@@ -150,3 +150,16 @@ def test_the_default_is_one_api_process_per_core(monkeypatch: pytest.MonkeyPatch
     usage = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "serve", "--help"], capture_output=True,
                            text=True, timeout=60, check=True).stdout
     assert "--api-processes" in usage and "one per core, at most 8" in " ".join(usage.split())
+
+
+def test_child_processes_get_the_token_itself_not_its_mask() -> None:
+    """API and worker processes are told their settings as JSON, where a secret prints as '**********'."""
+    from rollout_buffer.api.processes import child_overrides
+    from rollout_buffer.runtime.supervisor import child_settings
+
+    settings = Settings(auth_token="the-token", api_processes=3, worker_processes=2, workers=4)
+    told = Settings(**{**child_settings(settings, None), **child_overrides(settings)})
+    assert told.resolved_auth_token() == "the-token"
+    assert (told.api_processes, told.worker_processes, told.workers) == (1, 0, 0), "the API only"
+    alone = Settings(api_processes=2, worker_processes=0, workers=3)
+    assert child_overrides(alone)["workers"] == 3, "--worker-processes 0: the loops stay in an API process"
