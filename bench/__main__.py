@@ -20,7 +20,8 @@ import orjson
 
 # benchmark name -> module in this package with run(quick) -> dict
 BENCHMARKS = ("ingest", "read_latency", "read_throughput", "storage", "rollout_concurrency", "sample_building",
-              "end_to_end", "against_slime", "gateway", "gateway_stream", "eval_beside", "sandboxes", "harbor_start")
+              "end_to_end", "against_slime", "gateway", "gateway_stream", "scale", "eval_beside", "sandboxes",
+              "harbor_start")
 
 
 @dataclass
@@ -171,6 +172,8 @@ def _rows(name: str, r: dict[str, Any]) -> list[Row]:
                 "every token, cumulative) and the deltas are framed as SSE events: CPU per turn the plain answer "
                 "does not spend"),
         ]
+    if name == "scale":
+        return _scale_rows(r)
     if name == "sandboxes":
         return _sandbox_rows(r["backends"])
     if name == "harbor_start":
@@ -192,6 +195,24 @@ SANDBOX_TARGETS = {"bwrap": (3.0, 1.2, 0.6), "docker": (12.0, 0.6, 0.2)}
 SANDBOX_BOUND = {"bwrap": "each command starts new namespaces and mounts (bwrap) plus the model forwarder's Python",
                  "docker": "each rollout creates, starts and removes a container through the Engine's API (about "
                            "0.4-1 s of the Engine's and containerd's work on the same 2 cores)"}
+
+
+def _scale_rows(r: dict[str, Any]) -> list[Row]:
+    """1,024 sessions (`bench/scale.py`): the latency the gateway adds over the engine's own, per API process count."""
+    load = f"load average {r['load_average']['before']:.1f} -> {r['load_average']['after']:.1f} on {r['cores']} cores"
+    rows = []
+    for c in r["configs"]:
+        ok = c["added_p99_ms"] < 100 and c["errors"] == 0
+        rows.append(Row(f"{r['sessions']} sessions x {r['turns']} turns, engine {r['latency_s']:g} s, "
+                        f"{c['api_processes']} API proc.",
+                        f"+{c['added_p50_ms']:.0f} / +{c['added_p99_ms']:.0f} ms p50 / p99 added, "
+                        f"{c['errors']} errors, API+Redis {c['peak_rss_mb']:.0f} MB",
+                        f"{c['engine_p50_ms']:.0f} / {c['engine_p99_ms']:.0f} ms bare client (the engine's own)",
+                        c["added_p99_ms"], "p99 added <= 100 ms, no error", ok,
+                        f"{c['turns_per_s']:.0f} turns/s at {c['api_cpu_ms_per_call']:.2f} ms of API CPU per call: the "
+                        f"turns queue on the API processes' event loops, which share the cores with the load "
+                        f"generator, the engine and Redis; {load}"))
+    return rows
 
 
 def _ms(r: dict[str, float]) -> str:

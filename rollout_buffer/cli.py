@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-processes", type=int,
                        help="rollout worker processes beside the API (default: one per core, at most 8; "
                             "0 = rollout loops inside the API process)")
+    serve.add_argument("--api-processes", type=int,
+                       help="API processes serving the port, any of them any session, run or read (default: one "
+                            "per core, at most 8; 1 = the API in this process; docs/scaling.md)")
     serve.add_argument("--workers", type=int, help="rollout loops per worker process (default 1; 0 = API only, "
                                                    "no rollouts)")
     serve.add_argument("--max-body-mb", type=float, help="largest accepted request body in MB, on every route "
@@ -190,11 +193,6 @@ def warn_if_exposed(settings: Settings) -> bool:
 
 
 def serve(settings: Settings) -> int:
-    import uvicorn
-
-    from rollout_buffer.api.app import create_app
-    from rollout_buffer.api.slow_clients import guarded_protocol
-
     configure_logging(settings.log_level)
     if not settings.redis_url:  # the embedded Redis lives in the data dir: one server per dir
         from rollout_buffer.store.dir_lock import DataDirInUse, lock_data_dir
@@ -205,17 +203,13 @@ def serve(settings: Settings) -> int:
             print(f"rollout-buffer serve: {exc}", file=sys.stderr)
             return 2
     warn_if_exposed(settings)
-    try:
-        app = create_app(settings)
-    except ValueError as exc:  # an unreadable token file, a malformed --allow-url
-        print(f"rollout-buffer serve: {exc}", file=sys.stderr)
-        return 2
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the lifespan stops workers and Redis.
-    # slowloris: a header deadline and a connection cap (rollout_buffer.api.slow_clients)
-    protocol = guarded_protocol(settings.header_timeout_s, settings.max_connections)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=10, http=protocol, timeout_keep_alive=5)
-    return 0
+    if settings.api_processes > 1:
+        from rollout_buffer.api.processes import serve_processes
+
+        return serve_processes(settings)
+    from rollout_buffer.api.processes import run_api
+
+    return run_api(settings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,17 +13,28 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MAX_TASKS_PER_RUN = 10_000_000
 MAX_DEFAULT_WORKER_PROCESSES = 8
+MAX_DEFAULT_API_PROCESSES = 8
 AGENT_SANDBOXES = ("bwrap", "docker", "local")  # built-in backends (rollout_buffer.agents.sandbox.BACKENDS)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def default_worker_processes() -> int:
     """One worker process per core this process may run on, at most 8: each process is one asyncio loop on
     one core, and past a handful the engine, not the client side, is the limit."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_DEFAULT_WORKER_PROCESSES))
+    return min(usable_cores(), MAX_DEFAULT_WORKER_PROCESSES)
+
+
+def default_api_processes() -> int:
+    """One API process per core, at most 8: one process is one event loop on one core, and a gateway turn
+    costs about a millisecond of it, so one process tops out at a few hundred turns per second."""
+    return min(usable_cores(), MAX_DEFAULT_API_PROCESSES)
 
 
 class Settings(BaseSettings):
@@ -45,6 +56,10 @@ class Settings(BaseSettings):
     # --processes N` on any host (default: one per core, at most 8). `serve --worker-processes 0` runs the
     # rollout loops inside the API process instead.
     worker_processes: int = Field(default_factory=default_worker_processes, ge=0, le=64)
+    # API processes serving one port (rollout_buffer.api.processes, docs/scaling.md): any of them serves any
+    # session, run or read, as all state lives in Redis (default: one per core, at most 8; 1 = the API in the
+    # `serve` process itself, as before).
+    api_processes: int = Field(default_factory=default_api_processes, ge=1, le=64)
     # Rollout loops (stream consumers) per worker process, or in the API process with --worker-processes 0;
     # `serve --workers 0` runs no rollouts at all (API only).
     workers: int = Field(default=1, ge=0, le=64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,11 @@ from tests.support.redis_cluster import LocalRedis, LocalRedisCluster
 
 if TYPE_CHECKING:
     from tests.support.browser import OfflineBrowser
+
+# One API process per `serve` unless a test asks for more (flag or env): dozens of servers start in the suite,
+# and each further API process costs a server a second or two of imports. Inherited by every `serve`, `demo`
+# and walkthrough command the tests start; tests/api/test_api_processes.py starts several on purpose.
+os.environ.setdefault("ROLLOUT_BUFFER_API_PROCESSES", "1")
 
 # Deprecation warnings these libraries raise as UserWarning subclasses (so `error::DeprecationWarning` in
 # pyproject.toml does not catch them): they only fire on a deprecated use, which would be ours.

@@ -19,6 +19,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from rollout_buffer.metrics.processes import API_REQUESTS
+
 MAX_DEFAULT_CONNECTIONS = 4096
 _BUSY_BODY = b'{"success": false, "message": "too many connections; retry in a moment"}'
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
@@ -86,6 +88,12 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._headers_done()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        # counted when the request is in, before its answer: here rather than in a middleware (one call, no
+        # extra ASGI layer per request)
+        API_REQUESTS.inc()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -56,8 +56,8 @@ class ChildSpec:
                            "parent_pid": self.parent_pid})
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ChildSpec | None:
-        raw = (environ if environ is not None else os.environ).get(SPEC_ENV)
+    def from_env(cls, environ: dict[str, str] | None = None, name: str = SPEC_ENV) -> ChildSpec | None:
+        raw = (environ if environ is not None else os.environ).get(name)
         if not raw:
             return None
         data = json.loads(raw)
@@ -81,6 +81,8 @@ def child_settings(settings: Settings, redis_url: str | None) -> dict[str, Any]:
     """The parent's settings as a child runs them: one process (itself), on the parent's Redis."""
     data = settings.model_dump(mode="json")
     data.update(worker_processes=1, redis_url=redis_url or settings.redis_url)
+    if settings.auth_token is not None:  # JSON masks a secret: hand the child the token itself
+        data["auth_token"] = settings.auth_token.get_secret_value()
     return data
 
 
@@ -95,11 +97,19 @@ class _Child:
 
 @dataclass
 class WorkerSupervisor:
-    """Starts, watches, restarts and stops `count` worker processes (see the module docstring)."""
+    """Starts, watches, restarts and stops `count` worker processes (see the module docstring). The API
+    processes of `serve --api-processes N` are supervised the same way (`module`, `spec_env`, `overrides`:
+    what they run and are told; `pass_fds`: the listening socket they share)."""
 
     settings: Settings
     count: int
     redis_url: str | None = None
+    module: str = "rollout_buffer.runtime.supervisor"
+    spec_env: str = SPEC_ENV
+    what: str = "worker"
+    overrides: dict[str, Any] = field(default_factory=dict)  # settings the children run with instead
+    pass_fds: tuple[int, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # more environment for the children
     grace_s: float = STOP_GRACE_S
     poll_s: float = 0.2
     backoff_s: float = 1.0
@@ -115,8 +125,12 @@ class WorkerSupervisor:
         """The pids of the children running now."""
         return [c.proc.pid for c in self._children if c.proc is not None and c.proc.poll() is None]
 
+    def failing(self, deaths: int) -> bool:
+        """Whether every child has died young `deaths` times in a row (it cannot start: give up)."""
+        return bool(self._children) and all(c.quick_deaths >= deaths for c in self._children)
+
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "rollout_buffer.runtime.supervisor"]
+        return [sys.executable, "-m", self.module]
 
     def start(self) -> None:
         """Spawn every child and start watching them (on the running event loop, from its thread)."""
@@ -127,19 +141,20 @@ class WorkerSupervisor:
         for child in self._children:
             self._spawn(child)
         self._monitor = loop.create_task(self._watch(), name="worker-supervisor")
-        log.info("started %d worker process(es): pids %s", self.count, self.pids)
+        log.info("started %d %s process(es): pids %s", self.count, self.what, self.pids)
 
     def _spawn(self, child: _Child) -> None:
-        spec = ChildSpec(settings=child_settings(self.settings, self.redis_url), index=child.index,
-                         count=self.count, parent_pid=os.getpid())
+        spec = ChildSpec(settings={**child_settings(self.settings, self.redis_url), **self.overrides},
+                         index=child.index, count=self.count, parent_pid=os.getpid())
         try:
             child.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True,
-                                          env={**os.environ, SPEC_ENV: spec.to_env()})
+                                          env={**os.environ, **self.env, self.spec_env: spec.to_env()},
+                                          pass_fds=self.pass_fds)
         except OSError as exc:
             child.proc = None
             child.quick_deaths += 1
             child.restart_at = time.monotonic() + self._backoff(child)
-            log.error("could not start worker process %d: %s", child.index, exc)
+            log.error("could not start %s process %d: %s", self.what, child.index, exc)
             return
         child.started_at = time.monotonic()
 
@@ -154,7 +169,8 @@ class WorkerSupervisor:
                     if now >= child.restart_at:
                         self._spawn(child)
                         if child.proc is not None:
-                            log.warning("worker process %d restarted: pid %d", child.index, child.proc.pid)
+                            log.warning("%s process %d restarted: pid %d", self.what, child.index,
+                                        child.proc.pid)
                     continue
                 code = child.proc.poll()
                 if code is None:
@@ -164,7 +180,8 @@ class WorkerSupervisor:
                 delay = self._backoff(child)
                 child.proc, child.restart_at = None, now + delay
                 self.restarts += 1
-                log.error("worker process %d exited with %s; restarting it in %.2fs", child.index, code, delay)
+                log.error("%s process %d exited with %s; restarting it in %.2fs", self.what, child.index, code,
+                          delay)
             await asyncio.sleep(self.poll_s)
 
     async def stop(self) -> None:
@@ -183,10 +200,11 @@ class WorkerSupervisor:
             await asyncio.sleep(0.05)
         for proc in procs:
             if proc.poll() is None:
-                log.warning("worker process pid %d did not stop within %.0fs; killing it", proc.pid, self.grace_s)
+                log.warning("%s process pid %d did not stop within %.0fs; killing it", self.what, proc.pid,
+                            self.grace_s)
                 proc.kill()
                 proc.wait()
-        log.info("worker processes stopped (%d restart(s) while running)", self.restarts)
+        log.info("%s processes stopped (%d restart(s) while running)", self.what, self.restarts)
 
 
 def run_supervised_workers(settings: Settings) -> int:

@@ -43,7 +43,9 @@ return {1, epoch}
 
 # KEYS: 1 meta 2 stats 3 session_nodes 4 session_index 5 session_open
 # ARGV: 1 session id 2 the index the turn was packed with 3 the packed turn 4 its history field ("{sid}|p|..")
-#       5 its request field ("{sid}|r|..") 6 now, then (counter, amount) pairs added to the run's stats
+#       5 its request field ("{sid}|r|..") 6 now 7 the bytes of its ids and logprobs 8 '1' for a fork, then
+#       (counter, amount) pairs added to the run's stats. 7 and 8 go to the session's usage counts (the index's
+#       "{sid}|c|bytes" and "{sid}|c|forks" fields, `sessions.usage_fields`), which its caps are checked against.
 # Numbers and stores a turn in one step, so no failure can leave a number without its turn (a gap the next
 # turn read as a client's rewind). Returns {'stored', index}; {'duplicate', index} when this request already
 # has a stored turn (this script's own earlier run whose reply was lost, or the same request answered by
@@ -60,9 +62,11 @@ redis.call('HSET', KEYS[3], count_field, count + 1)
 redis.call('HSET', KEYS[4], ARGV[4], count)
 redis.call('HSET', KEYS[4], ARGV[5], count)
 redis.call('ZADD', KEYS[5], 'XX', ARGV[6], ARGV[1])
+redis.call('HINCRBY', KEYS[4], ARGV[1] .. '|c|bytes', ARGV[7])
+if ARGV[8] == '1' then redis.call('HINCRBY', KEYS[4], ARGV[1] .. '|c|forks', 1) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if status and status ~= 'deleted' then
-  for i = 7, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
+  for i = 9, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
 end
 return {'stored', count}
 """

@@ -53,6 +53,11 @@ def _count_field(session_id: str) -> str:
     return f"{session_id}|#"
 
 
+def usage_fields(session_id: str) -> list[str]:
+    """A session's fork and byte counts in the run's session index (`api.gateway.session_caps`)."""
+    return [f"{session_id}|c|forks", f"{session_id}|c|bytes"]
+
+
 def _node_field(session_id: str, index: int) -> str:
     return f"{session_id}|{index}"
 
@@ -147,12 +152,12 @@ class SessionStore:
         found = await self.redis.hmget(keys.session_index(run_id), fields)
         return [None if value is None else int(value) for value in found]
 
-    async def probe(self, run_id: str, session_id: str, request: bytes,
-                    histories: list[bytes]) -> tuple[str, int | None, list[int | None], int]:
+    async def probe(self, run_id: str, session_id: str, request: bytes, histories: list[bytes]
+                    ) -> tuple[str, int | None, list[int | None], int, tuple[int, int]]:
         """(the session's status, the turn that answered this exact request, the turns whose history ends as
-        each of `histories` (longest first), the session's turn count). One round trip when the longest history
-        is a turn's (an agent going on), two otherwise. A turn answered from what this finds (a replay) waits
-        for the replicas like the turn's own store did (`acks`)."""
+        each of `histories` (longest first), the session's turn count, its (forks, bytes stored) counts). One
+        round trip when the longest history is a turn's (an agent going on), two otherwise. A turn answered
+        from what this finds (a replay) waits for the replicas like the turn's own store did (`acks`)."""
         acks.owe(run_id)
         fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories[:1])]
         pipe = self.redis.pipeline(transaction=False)
@@ -160,11 +165,12 @@ class SessionStore:
         pipe.hget(keys.session_nodes(run_id), _count_field(session_id))
         pipe.hget(keys.session_status(run_id), session_id)
         pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)  # in use: not idle while it runs
-        first, count, status, _ = await pipe.execute()
+        pipe.hmget(keys.session_index(run_id), usage_fields(session_id))
+        first, count, status, _, (forks, stored) = await pipe.execute()
         found = [None if value is None else int(value) for value in first]
         if len(histories) > 1 and found[1] is None:
             found[2:] = await self.lookup(run_id, session_id, "p", histories[1:])
-        return text(status) or "", found[0], found[1:], int(count or 0)
+        return text(status) or "", found[0], found[1:], int(count or 0), (int(forks or 0), int(stored or 0))
 
     async def turn_count(self, run_id: str, session_id: str) -> int:
         return int(await self.redis.hget(keys.session_nodes(run_id), _count_field(session_id)) or 0)
@@ -207,11 +213,13 @@ class SessionStore:
     async def put_turn(self, run_id: str, session_id: str, node: Node, *, history: bytes, request: bytes,
                        stats: dict[str, int]) -> tuple[str, int]:
         """Number and store turn `node` in one script (`session_lua.PUT_TURN`), index it by the history through
-        its answer and by its request, and add `stats` to the run's counters. Returns ("stored", index),
+        its answer and by its request, add its ids' bytes (and a fork) to the session's usage counts, and add
+        `stats` to the run's counters. Returns ("stored", index),
         ("duplicate", index of the turn stored for this request) or ("renumber", the number to pack it with:
         another turn took `node.index` first; nothing was stored). Waits for the replicas only after a store."""
+        stored = node.prompt_ids.nbytes + node.output_ids.nbytes + node.output_logprobs.nbytes
         args = [session_id, node.index, node.pack(), f"{session_id}|p|{history.hex()}",
-                f"{session_id}|r|{request.hex()}", time.time(),
+                f"{session_id}|r|{request.hex()}", time.time(), int(stored), 1 if node.fork_reason else 0,
                 *(x for name, amount in stats.items() if amount for x in (name, amount))]
         outcome, index = await self._put(
             keys=[keys.run_meta(run_id), keys.stats(run_id), keys.session_nodes(run_id), keys.session_index(run_id),

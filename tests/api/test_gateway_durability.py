@@ -69,9 +69,9 @@ def test_a_session_moves_between_api_processes(tmp_path: Path, rollout_engine: A
     with ServerProcess(tmp_path / "a") as a:
         redis_url = f"unix://{(tmp_path / 'a' / 'redis.sock').resolve()}"
         with ServerProcess(tmp_path / "b", "--redis-url", redis_url) as b:
-            run_id = start_external(httpx.Client(base_url=a.url, timeout=30), rollout_engine.url, qwen_tokenizer_path,
+            run_id = start_external(httpx.Client(base_url=a.url, timeout=60), rollout_engine.url, qwen_tokenizer_path,
                                     repeats=1)
-            session = new_session(httpx.Client(base_url=a.url, timeout=30), run_id, "roaming")
+            session = new_session(httpx.Client(base_url=a.url, timeout=60), run_id, "roaming")
             messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 3 * 7?"}]
             for url in (a.url, b.url, a.url):
                 sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=session["api_key"], max_retries=0)
@@ -81,7 +81,7 @@ def test_a_session_moves_between_api_processes(tmp_path: Path, rollout_engine: A
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": "21"})
                 if not reply.message.tool_calls:
                     messages.append({"role": "user", "content": "And 21 + 1?"})
-            finish(httpx.Client(base_url=b.url, timeout=30), session, 1.0)
+            finish(httpx.Client(base_url=b.url, timeout=60), session, 1.0)
             [record] = read_group(httpx.Client(base_url=a.url, timeout=30), run_id, 1)
             assert len(record["turns"]) == 3
             assert_one_branch(record)

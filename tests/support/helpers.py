@@ -65,10 +65,10 @@ class ServerProcess:
         self.cwd = cwd
         self.port = free_port()
         self.args = list(args)
-        # In-process rollout loops unless a test asks for worker processes (flag or env): dozens of servers
-        # start in the suite, and worker processes cost each one a few seconds of imports per core.
-        self.env = {"ROLLOUT_BUFFER_WORKER_PROCESSES": "0", "ROLLOUT_BUFFER_INPUT_ROOT": input_roots_for_tests(),
-                    **os.environ, **(env or {})}
+        # In-process rollout loops and one API process unless a test asks for more (flag or env): dozens of
+        # servers start in the suite, and further processes cost each one a few seconds of imports per core.
+        self.env = {"ROLLOUT_BUFFER_WORKER_PROCESSES": "0", "ROLLOUT_BUFFER_API_PROCESSES": "1",
+                    "ROLLOUT_BUFFER_INPUT_ROOT": input_roots_for_tests(), **os.environ, **(env or {})}
         self.command = command
         self.module = module
         self.proc: subprocess.Popen[bytes] | None = None

@@ -22,7 +22,6 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from rollout_buffer.api.gateway.constraints import NONE, Constraint
-from rollout_buffer.api.gateway import session_caps
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.json_limits import arguments_problem
 from rollout_buffer.api.gateway.stream_live import KEEPALIVE_S, LiveRenderer, live_events
@@ -63,12 +62,9 @@ async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: lis
         raise GatewayError(400, f"the conversation is {text_chars(messages)} characters, more than the "
                                 f"{limit * MAX_CHARS_PER_TOKEN} a prompt of --max-prompt-tokens {limit} can hold",
                            "messages")
-    session_caps.check_session(await session_caps.usage(opened.gateway, opened.session), opened.gateway.settings)
-    try:
-        answer = await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools,
-                                {**params, **constraint.params()}, call_array=constraint.calls, watch=watch)
-        await session_caps.account(opened.gateway, opened.session, answer)
-        return answer
+    try:  # the session's caps are checked with the turn's first round trip (`run_turn`)
+        return await run_turn(opened.gateway, opened.ctx, opened.session, messages, tools,
+                              {**params, **constraint.params()}, call_array=constraint.calls, watch=watch)
     except SessionClosed as exc:
         raise GatewayError(404, str(exc)) from exc
     except TurnRequestError as exc:

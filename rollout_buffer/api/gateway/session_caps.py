@@ -2,8 +2,9 @@
 a run and in the whole server. Each refusal names its cap and flag: a session at a cap is 409 (finish it,
 start another: waiting does not help), too many open sessions is 429 with `Retry-After` (sessions finish).
 
-A session's fork and byte counts live beside its history index (`session_index` fields `{sid}|c|forks`,
-`{sid}|c|bytes`; exact lookups only), so they go with the run; its turn count is the store's own.
+A session's fork and byte counts live beside its history index (`sessions.usage_fields`; exact lookups
+only), so they go with the run; its turn count is the store's own. The turn's own round trips read them
+(`SessionStore.probe`) and add to them (the turn's store script), so the caps cost no round trip of their own.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from dataclasses import dataclass
 
 from rollout_buffer.api.gateway.context import Gateway
 from rollout_buffer.api.gateway.errors import GatewayError
-from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.runs import retention
 from rollout_buffer.settings import Settings
 from rollout_buffer.store import keys
-from rollout_buffer.store.sessions import Session
 
 
 @dataclass(frozen=True)
@@ -24,18 +23,6 @@ class Usage:
     turns: int
     forks: int
     bytes: int
-
-
-def _fields(session_id: str) -> list[str]:
-    return [f"{session_id}|c|forks", f"{session_id}|c|bytes"]
-
-
-async def usage(gw: Gateway, session: Session) -> Usage:
-    pipe = gw.store.redis.pipeline(transaction=False)
-    pipe.hget(keys.session_nodes(session.run_id), f"{session.session_id}|#")
-    pipe.hmget(keys.session_index(session.run_id), _fields(session.session_id))
-    turns, (forks, stored) = await pipe.execute()
-    return Usage(int(turns or 0), int(forks or 0), int(stored or 0))
 
 
 def check_session(found: Usage, settings: Settings) -> None:
@@ -52,20 +39,6 @@ def check_session(found: Usage, settings: Settings) -> None:
 
 def settings_value(flag: str, settings: Settings) -> object:
     return getattr(settings, flag.removeprefix("--").replace("-", "_"))
-
-
-async def account(gw: Gateway, session: Session, answer: TurnAnswer) -> None:
-    """Count what a new turn stored: its ids and logprobs, and a fork."""
-    if answer.replayed:
-        return
-    node = answer.node
-    stored = node.prompt_ids.nbytes + node.output_ids.nbytes + node.output_logprobs.nbytes
-    forks_field, bytes_field = _fields(session.session_id)
-    pipe = gw.store.redis.pipeline(transaction=False)
-    pipe.hincrby(keys.session_index(session.run_id), bytes_field, int(stored))
-    if node.fork_reason:
-        pipe.hincrby(keys.session_index(session.run_id), forks_field, 1)
-    await pipe.execute()
 
 
 async def check_open_sessions(gw: Gateway, run_id: str) -> GatewayError | None:

@@ -22,6 +22,7 @@ import numpy as np
 from rollout_buffer.api.gateway import history
 from rollout_buffer.api.gateway.rendering import render_off_loop
 from rollout_buffer.api.gateway.context import Gateway, RunContext
+from rollout_buffer.api.gateway.session_caps import Usage, check_session
 from rollout_buffer.store.session_turns import Node
 from rollout_buffer.api.gateway.parsers import ParsedOutput
 from rollout_buffer.api.gateway.watch import Start, TurnWatch
@@ -129,9 +130,11 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     request = history.request_digest(digests[-1], params)
     store = gw.sessions
     positions = _assistant_positions(messages)
-    status, replay, found, count = await store.probe(run_id, sid, request, [digests[i] for i in positions])
+    status, replay, found, count, (forks, stored) = await store.probe(run_id, sid, request,
+                                                                      [digests[i] for i in positions])
     if status != "open":
         raise SessionClosed(f"session {sid} is {status or 'gone'}: it takes no more requests")
+    check_session(Usage(count, forks, stored), gw.settings)  # 409 at a cap
     if replay is not None:
         [node] = await store.nodes(run_id, sid, [replay])
         if node is not None:

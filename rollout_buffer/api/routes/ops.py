@@ -13,6 +13,7 @@ from redis.exceptions import RedisError
 from rollout_buffer import __version__
 from rollout_buffer.api.errors import error_response
 from rollout_buffer.api.state import state_of
+from rollout_buffer.metrics.processes import collectors
 from rollout_buffer.metrics.prometheus import render
 from rollout_buffer.metrics.snapshot import snapshot_runs
 
@@ -50,8 +51,9 @@ async def tasks(request: Request) -> Any:
 async def metrics(request: Request) -> Any:
     """Prometheus text. Every run's metrics are read from Redis at scrape time (tasks, groups, records,
     drops, failures, leases, engine calls, tokens, duration histograms, staleness), so any API process
-    answers the same, whichever processes or hosts ran the rollouts; a deleted run's series are gone."""
+    answers the same, whichever processes or hosts ran the rollouts; a deleted run's series are gone. The
+    counters each API process keeps are summed over all of them (`metrics.processes`)."""
     state = state_of(request)
     runs = await snapshot_runs(state.store)
-    body = render(runs, await state.store.active_run(), __version__, extra=[state.metrics])
+    body = render(runs, await state.store.active_run(), __version__, extra=collectors(state.metrics))
     return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
