@@ -191,3 +191,69 @@ def remove_image(env: DockerEnv, tag: str) -> None:
             await docker.images.delete(tag, force=True)
 
     asyncio.run(remove())
+
+
+# A stand-in for slime's `train.py`, run by scripts/run_agent.sh: slime's own rollout arguments as parsed
+# (unknown flags ignored), the run started through the adapter as slime's first rollout would start it, the
+# run's groups read back and built into samples; prints each instance's rewards.
+HARBOR_TRAIN = """
+import argparse, json, sys, time, urllib.request
+from types import SimpleNamespace
+from slime_adapter.reading.buffer_client import start_rollout
+from slime_adapter.samples.build import build_group_samples
+parser = argparse.ArgumentParser()
+for flag in ("--rollout-buffer-url", "--prompt-data", "--rollout-task-type", "--hf-checkpoint", "--agent-start-options",
+             "--agent-rollout-run-id", "--sglang-router-ip"):
+    parser.add_argument(flag)
+parser.add_argument("--sglang-router-port", type=int)
+parser.add_argument("--n-samples-per-prompt", type=int)
+a, _ = parser.parse_known_args()
+args = SimpleNamespace(agent_rollout_buffer_url=a.rollout_buffer_url, prompt_data=a.prompt_data,
+                       rollout_task_type=a.rollout_task_type, n_samples_per_prompt=a.n_samples_per_prompt,
+                       rollout_batch_size=2, num_epoch=1, hf_checkpoint=a.hf_checkpoint, rollout_max_response_len=16,
+                       rollout_temperature=1.0, rollout_top_p=1.0, rollout_num_process=8,
+                       agent_rollout_run_id=a.agent_rollout_run_id, sglang_router_ip=a.sglang_router_ip,
+                       sglang_router_port=a.sglang_router_port, agent_start_options=a.agent_start_options)
+run_id = start_rollout(a.rollout_buffer_url, args, None)["run_id"]
+records, deadline = [], time.monotonic() + 300
+while len(records) < 4 and time.monotonic() < deadline:
+    body = json.dumps({"run_id": run_id, "wait_s": 5}).encode()
+    request = urllib.request.Request(a.rollout_buffer_url + "/get_rollout_data", data=body,
+                                     headers={"Content-Type": "application/json"})
+    records += json.load(urllib.request.urlopen(request, timeout=30))["data"]["data"]
+samples, stats = build_group_samples(records, lambda: sys.exit("the token path needs no tokenizer"))
+print(json.dumps({"rewards": {r["instance_id"]: r["reward"] for r in records}, "samples": len(samples),
+                  "token_path": stats.token_path_records}), flush=True)
+"""
+
+
+def test_a_harbor_dataset_trains_with_run_agent_sh(tmp_path: Path, docker_env: DockerEnv,  # noqa: F811
+                                                   rollout_engine: Any, qwen_tokenizer_path: str) -> None:
+    """`scripts/run_agent.sh --agent-sandbox docker -- python train.py --prompt-data DATASET ...`: the buffer
+    it starts reads the dataset (the training command's data folder is an input root) and trains it."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.helpers import REPO, free_port
+
+    dataset = make_dataset(tmp_path / "tasks", docker_env.image)
+    for name in ("fix-bug", "no-reward"):
+        shutil.rmtree(dataset / name)
+    agent = {**scripted_agent("solve"), "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url}}}
+    (tmp_path / "train.py").write_text(HARBOR_TRAIN)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_BUFFER_")}
+    env.update(PYTHON=sys.executable, BUFFER_PORT=str(port), ROLLOUT_BUFFER_DATA_DIR=str(tmp_path / "data"),
+               HEALTH_TIMEOUT_S="90", STOP_TIMEOUT_S="30", PYTHONPATH=str(REPO))
+    engine_port = rollout_engine.url.rsplit(":", 1)[1]
+    done = subprocess.run(
+        [str(REPO / "scripts" / "run_agent.sh"), "--agent-sandbox", "docker", "--input-root", qwen_tokenizer_path,
+         "--", sys.executable, str(tmp_path / "train.py"), "--prompt-data", str(dataset),
+         "--rollout-task-type", "agent_command", "--n-samples-per-prompt", "2", "--hf-checkpoint", qwen_tokenizer_path,
+         "--agent-rollout-run-id", f"harbor-sh-{uuid.uuid4().hex[:6]}", "--sglang-router-ip", "127.0.0.1",
+         "--sglang-router-port", engine_port, "--agent-start-options", json.dumps({"agent": agent})],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=480, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"rewards": {"hello": 1.0, "partial": 0.5}, "samples": 4, "token_path": 4}, report
