@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_buffer.agents.harbor.images import task_image
+from rollout_buffer.agents.harbor.images import folder_tar, task_image
 from rollout_buffer.agents.harbor.verify import harbor_verify
 from rollout_buffer.agents.sandbox import Limits, SandboxError, open_sandbox
 from rollout_buffer.agents.verifiers import AgentResult, VerifierError
@@ -37,14 +35,6 @@ class Row:
         self.ok = False
 
 
-def _archive(folder: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for path in sorted(folder.rglob("*")):
-            tar.add(path, arcname=path.relative_to(folder).as_posix(), recursive=False)
-    return buffer.getvalue()
-
-
 async def run_solution(sample: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """The task's reference solution in a fresh container of its image, scored by its verifier."""
     harbor = sample["harbor"]
@@ -54,7 +44,7 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any]) -> dict[
     box: Any = await open_sandbox("docker", name=f"check-{harbor['name']}", limits=limits,
                                   options={**options, "image": image, "workdir": workdir, "image_root": True})
     try:
-        data = await asyncio.to_thread(_archive, Path(harbor["dir"]) / "solution")
+        data = await asyncio.to_thread(folder_tar, Path(harbor["dir"]) / "solution")
         up = await box.exec_root(["sh", "-c", "rm -rf /solution && mkdir -p /solution && tar -x -C /solution -f - "
                                               "&& chmod -R a+rX /solution"], timeout_s=120, stdin=data)
         if not up.ok:

@@ -42,8 +42,8 @@ def image_tag(harbor: dict[str, Any]) -> str:
     return f"{REPOSITORY}/{safe}:{harbor['env_hash']}"
 
 
-def _context(env_dir: Path) -> bytes:
-    """The build context: environment/ as a tar (links kept as links, nothing outside it followed)."""
+def folder_tar(env_dir: Path) -> bytes:
+    """A folder as a tar (links kept as links, nothing outside it followed): a build context, an upload."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for path in sorted(env_dir.rglob("*")):
@@ -65,7 +65,7 @@ async def _inspect(docker: Any, image: str) -> dict[str, Any] | None:
 async def _build(docker: Any, harbor: dict[str, Any], tag: str) -> None:
     params = {"t": tag, "rm": "1", "forcerm": "1", "networkmode": "none", "pull": "0",
               "labels": json.dumps({"rollout-buffer.harbor": "1", "rollout-buffer.task": str(harbor["name"])[:200]})}
-    data = await asyncio.to_thread(_context, Path(harbor["dir"]) / "environment")
+    data = await asyncio.to_thread(folder_tar, Path(harbor["dir"]) / "environment")
     log: list[str] = []
     timeout = aiohttp.ClientTimeout(total=harbor["build_timeout_sec"])
     async with docker._query("build", "POST", params=params, headers={"content-type": "application/x-tar"},

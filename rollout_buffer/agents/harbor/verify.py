@@ -12,13 +12,12 @@ test.sh's exit code and output tails. No reward file, or one that does not hold 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import math
-import tarfile
 from pathlib import Path
 from typing import Any
 
+from rollout_buffer.agents.harbor.images import folder_tar
 from rollout_buffer.agents.sandbox import Sandbox
 from rollout_buffer.agents.verifiers import AgentResult, VerifierError
 
@@ -32,12 +31,7 @@ _READ = ('if [ -f /logs/verifier/reward.txt ]; then echo txt; head -c 65536 /log
 
 def tests_archive(task_dir: str | Path) -> bytes:
     """The task's `tests/` folder as a tar (read from the task folder now: never stored, never the agent's)."""
-    tests = Path(task_dir) / "tests"
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for path in sorted(tests.rglob("*")):
-            tar.add(path, arcname=path.relative_to(tests).as_posix(), recursive=False)
-    return buffer.getvalue()
+    return folder_tar(Path(task_dir) / "tests")
 
 
 def parse_reward(kind: str, text: str) -> dict[str, Any]:
