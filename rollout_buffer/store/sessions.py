@@ -14,7 +14,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import orjson
 
 from rollout_buffer.store import acks, keys
@@ -185,10 +184,9 @@ class SessionStore:
                 found[index] = cached
         fetched = await self._fetch(run_id, session_id, [i for i in indices if i not in found])
         for node in fetched.values():
-            parent = None if node.resolved else self.turns.get(session_id, node.parent)
-            if parent is not None:
-                node.prompt_ids = np.concatenate([parent.prompt_ids, parent.output_ids, node.prompt_ids])
-                node.resolved = True
+            source = None if node.resolved else self.turns.get(session_id, node.source)
+            if source is not None:
+                node.complete(source)
         found.update(fetched)
         missing = sorted({a for n in found.values() if not n.resolved for a in n.chain} - set(found))
         found.update(await self._fetch(run_id, session_id, missing))

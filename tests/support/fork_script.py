@@ -118,3 +118,8 @@ def stored_digest(shapes: dict[str, Any]) -> str:
     import hashlib
 
     return hashlib.sha256(orjson.dumps(shapes, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def ask_once(client: httpx.Client, session: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chat completion of `session` (no tools), the answer as received."""
+    return _ask(client, session, messages, None)

@@ -15,26 +15,12 @@ import time
 from typing import Any
 
 from rollout_buffer.api.gateway.context import Gateway
-from rollout_buffer.store.session_turns import Node
+from rollout_buffer.store.session_turns import Node, conversation
 from rollout_buffer.store.sessions import Session
 from rollout_buffer.wire.schema import TrajectoryRecord
 from rollout_buffer.store.store import WriteOutcome
 
 log = logging.getLogger(__name__)
-
-
-def conversation(nodes: dict[int, Node], last: Node) -> list[dict[str, Any]]:
-    """The full conversation through `last`'s answer: its branch's messages, root first."""
-    chain: list[Node] = []
-    node: Node | None = last
-    while node is not None:
-        chain.append(node)
-        node = nodes.get(node.parent) if node.parent >= 0 else None
-    messages: list[dict[str, Any]] = []
-    for step in reversed(chain):
-        messages.extend(step.new_messages)
-        messages.append(step.message)
-    return messages
 
 
 def outside_engine_time(nodes: list[Node]) -> float | None:
