@@ -14,13 +14,14 @@ After the warm-up (`--warmup-s`), each series is flat when the mean of its last 
 `--max-growth` of its first quarter's; the slope (least squares, per minute, relative to the mean) is
 printed too.
 
-    python -m bench.gateway_soak [--minutes 10] [--open 1000] [--quick]
+    python -m bench.gateway_soak [--minutes 10] [--open 1000] [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import sys
@@ -53,9 +54,28 @@ class Counts:
     slow_closed_by_server: int = 0
     groups_read: int = 0
     runs_deleted: int = 0
+    retried: int = 0  # requests sent again after a transport error
 
     def bad(self, what: str) -> None:
         self.unexpected[what] = self.unexpected.get(what, 0) + 1
+
+
+RETRIES = 3
+
+
+async def send(http: httpx.AsyncClient, counts: Counts, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """One request, sent again on a transport error (a keep-alive connection the server closed as this one
+    went out): every request here is idempotent (creates carry an Idempotency-Key, turns replay, reads
+    name their batch), as a real client's retry would be."""
+    for attempt in range(RETRIES + 1):
+        try:
+            return await http.request(method, url, **kwargs)
+        except httpx.TransportError:
+            if attempt == RETRIES:
+                raise
+            counts.retried += 1
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -68,18 +88,18 @@ class Runs:
     released: list[dict[str, Any]] = field(default_factory=list)  # per deleted run: bytes before, keys after
 
 
-async def _start_run(http: httpx.AsyncClient, engine_url: str, tokenizer: str) -> str:
+async def _start_run(http: httpx.AsyncClient, counts: Counts, engine_url: str, tokenizer: str) -> str:
     run_id = f"soak-{uuid.uuid4().hex[:10]}"
     body = {"task_type": "external", "remote_engine_url": engine_url, "tokenizer_path": tokenizer,
             "num_repeat_per_sample": 1, "run_id": run_id, "activate": False,
             "sampling_params": {"max_tokens": 24, "temperature": 1.0}}
-    (await http.post("/start_rollout", json=body)).raise_for_status()
+    (await send(http, counts, "POST", "/start_rollout", json=body)).raise_for_status()
     return run_id
 
 
-async def _chat(http: httpx.AsyncClient, session: dict[str, Any], messages: list[dict[str, Any]],
+async def _chat(http: httpx.AsyncClient, counts: Counts, session: dict[str, Any], messages: list[dict[str, Any]],
                 extra: dict[str, Any] | None = None) -> httpx.Response:
-    return await http.post(f"{session['openai_base_url']}/chat/completions",
+    return await send(http, counts, "POST", f"{session['openai_base_url']}/chat/completions",
                            json={"model": "m", "messages": messages, **(extra or {})},
                            headers={"Authorization": f"Bearer {session['api_key']}"})
 
@@ -91,12 +111,15 @@ async def one_session(http: httpx.AsyncClient, runs: Runs, counts: Counts, rng: 
     runs.open_sessions[run_id] = runs.open_sessions.get(run_id, 0) + 1
     try:
         if rng.random() < 0.1:  # a misspelled field: refused, nothing stored
-            answer = await http.post(f"/runs/{run_id}/sessions", json={"instance_id": "x", "instance_idd": "y"})
+            answer = await send(http, counts, "POST", f"/runs/{run_id}/sessions",
+                                json={"instance_id": "x", "instance_idd": "y"})
             if answer.status_code // 100 == 4 and "instance_idd" in answer.text:
                 counts.refused_unknown += 1
             else:
                 counts.bad(f"create with an unknown field answered {answer.status_code}")
-        answer = await http.post(f"/runs/{run_id}/sessions", json={"instance_id": f"i{uuid.uuid4().hex[:12]}"})
+        answer = await send(http, counts, "POST", f"/runs/{run_id}/sessions",
+                            json={"instance_id": f"i{uuid.uuid4().hex[:12]}"},
+                            headers={"Idempotency-Key": uuid.uuid4().hex})
         if answer.status_code != 200:
             counts.bad(f"create answered {answer.status_code}")
             return
@@ -112,7 +135,7 @@ async def one_session(http: httpx.AsyncClient, runs: Runs, counts: Counts, rng: 
                 edited = [*messages[:-2], {"role": "assistant", "content": "Let me redo that."}, messages[-1]]
                 messages = edited
                 counts.forks += 1
-            reply = await _chat(http, session, messages, extra)
+            reply = await _chat(http, counts, session, messages, extra)
             if reply.status_code != 200:
                 counts.bad(f"turn answered {reply.status_code}")
                 return
@@ -121,14 +144,14 @@ async def one_session(http: httpx.AsyncClient, runs: Runs, counts: Counts, rng: 
             await asyncio.sleep(rng.uniform(0.5, 1.5) * think_s)  # the agent's own time between turns
         headers = {"Authorization": f"Bearer {session['api_key']}"}
         if rng.random() < 0.1:
-            wrong = await http.post(f"/sessions/{session['session_id']}/finish", json={"reward": 1.0, "rewrad": 1},
-                                    headers=headers)
+            wrong = await send(http, counts, "POST", f"/sessions/{session['session_id']}/finish",
+                               json={"reward": 1.0, "rewrad": 1}, headers=headers)
             if wrong.status_code // 100 == 4 and "rewrad" in wrong.text:
                 counts.refused_unknown += 1
             else:
                 counts.bad(f"finish with an unknown field answered {wrong.status_code}")
-        done = await http.post(f"/sessions/{session['session_id']}/finish", json={"reward": rng.random()},
-                               headers=headers)
+        done = await send(http, counts, "POST", f"/sessions/{session['session_id']}/finish",
+                          json={"reward": rng.random()}, headers=headers)
         if done.status_code != 200:
             counts.bad(f"finish answered {done.status_code}")
     finally:
@@ -194,13 +217,16 @@ async def trainer(http: httpx.AsyncClient, runs: Runs, counts: Counts, direct: r
     """Read every run's groups with a lease and ack them; delete a retired run once drained."""
     from rollout_buffer.store import keys
 
+    reads = 0
     while time.monotonic() < stop or runs.retired:
         for run_id in list(dict.fromkeys([runs.current, *runs.retired])):
             idle = run_id in runs.retired and runs.open_sessions.get(run_id, 0) == 0  # before the read: then
             if run_id not in runs.retired and run_id != runs.current:
                 continue  # deleted in this pass
-            reply = await http.post("/get_rollout_data", json={"run_id": run_id, "num": 64, "wait_s": 0.2,
-                                                               "lease_s": 60})
+            reads += 1
+            reply = await send(http, counts, "POST", "/get_rollout_data",
+                               json={"run_id": run_id, "num": 64, "wait_s": 0.2, "lease_s": 60,
+                                     "batch_id": f"soak-read-{reads}"})
             if reply.status_code != 200:
                 raise RuntimeError(f"a read of {run_id} answered {reply.status_code}: {reply.text[:300]}")
             answer = reply.json()
@@ -209,13 +235,14 @@ async def trainer(http: httpx.AsyncClient, runs: Runs, counts: Counts, direct: r
             records = answer["data"]["data"]
             if records:
                 counts.groups_read += len(records)
-                await http.post("/ack", json={"run_id": run_id, "batch_ids": [answer["data"]["meta_info"]["batch_id"]]})
+                await send(http, counts, "POST", "/ack",
+                           json={"run_id": run_id, "batch_ids": [answer["data"]["meta_info"]["batch_id"]]})
             elif idle:  # an empty read after the last session finished: nothing more will come
                 run_keys = [k for k in keys.run_keys(run_id)]
                 held = sum(int(direct.memory_usage(k, samples=0) or 0) for k in run_keys if direct.exists(k))
                 sessions = sum(int(direct.memory_usage(k, samples=0) or 0)
                                for k in (keys.session_nodes(run_id), keys.session_index(run_id)) if direct.exists(k))
-                (await http.delete(f"/runs/{run_id}")).raise_for_status()
+                (await send(http, counts, "DELETE", f"/runs/{run_id}")).raise_for_status()
                 left = [k for k in run_keys if direct.exists(k) and k != keys.run_meta(run_id)]
                 runs.released.append({"run_id": run_id, "bytes_before": held, "session_bytes_before": sessions,
                                       "keys_left": left})
@@ -234,18 +261,23 @@ def _metrics_bytes(url: str) -> int:
 async def sampler(url: str, api: psutil.Process, direct: redis.Redis, counts: Counts, samples: list[dict[str, Any]],
                   every_s: float, started: float, stop: float) -> None:
     while time.monotonic() < stop:
-        metrics = await asyncio.to_thread(_metrics_bytes, url)
+        try:
+            metrics = await asyncio.to_thread(_metrics_bytes, url)
+        except httpx.TransportError:
+            counts.retried += 1
+            await asyncio.sleep(every_s)
+            continue
         samples.append({"t": round(time.monotonic() - started, 1), "api_rss_mb": api.memory_info().rss / 2**20,
                         "redis_used_mb": int(direct.info("memory")["used_memory"]) / 2**20,
                         "metrics_kb": metrics / 1024, "turns": counts.turns, "load": os.getloadavg()[0]})
         await asyncio.sleep(every_s)
 
 
-async def rotate(http: httpx.AsyncClient, runs: Runs, engine_url: str, tokenizer: str, every_s: float,
+async def rotate(http: httpx.AsyncClient, runs: Runs, counts: Counts, engine_url: str, tokenizer: str, every_s: float,
                  stop: float) -> None:
     while time.monotonic() + every_s < stop:
         await asyncio.sleep(every_s)
-        old, runs.current = runs.current, await _start_run(http, engine_url, tokenizer)
+        old, runs.current = runs.current, await _start_run(http, counts, engine_url, tokenizer)
         runs.retired.append(old)
 
 
@@ -270,7 +302,7 @@ async def _soak(server_url: str, port: int, api: psutil.Process, direct: redis.R
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=server_url, timeout=120, limits=limits,
                                  headers={"Authorization": f"Bearer {TOKEN}"}) as http:
-        runs.current = await _start_run(http, engine_url, tokenizer)
+        runs.current = await _start_run(http, counts, engine_url, tokenizer)
         started = time.monotonic()
         stop = started + args.minutes * 60
         await asyncio.gather(
@@ -278,7 +310,7 @@ async def _soak(server_url: str, port: int, api: psutil.Process, direct: redis.R
             slow_clients(port, counts, args.slow, stop),
             trainer(http, runs, counts, direct, stop),
             sampler(server_url, api, direct, counts, samples, args.sample_s, started, stop),
-            rotate(http, runs, engine_url, tokenizer, args.run_s, stop))
+            rotate(http, runs, counts, engine_url, tokenizer, args.run_s, stop))
         runs.retired.append(runs.current)
         await trainer(http, runs, counts, direct, time.monotonic())  # drain and delete the last run too
         final_redis = int(direct.info("memory")["used_memory"]) / 2**20
@@ -323,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--think-s", type=float, default=5.0, help="an agent's mean time between turns")
     parser.add_argument("--max-growth", type=float, default=0.10, help="last quarter over first, at most 1 + this")
+    parser.add_argument("--json", type=Path, help="write the result (every sample included) here")
     parser.add_argument("--quick", action="store_true", help="1 minute, 100 sessions open, 10 slow clients")
     args = parser.parse_args(argv)
     if args.quick:
@@ -330,11 +363,14 @@ def main(argv: list[str] | None = None) -> int:
         args.think_s = 0.5
     r = run(args.minutes, args.open, args.slow, args.warmup_s, args.run_s, args.sample_s, args.max_growth,
             args.think_s)
+    if args.json is not None:
+        args.json.write_text(json.dumps(r, indent=1, default=str))
     c = r["counts"]
     print(f"gateway soak: {r['minutes']:g} min, {r['open']} sessions open at once, {r['slow']} slow clients; "
           f"{c['sessions']} sessions, {c['turns']} turns, {c['forks']} forks, {c['refused_unknown']} unknown-field "
           f"requests refused, {c['groups_read']} groups read, {c['runs_deleted']} runs deleted; slow connections "
-          f"{c['slow_opened']} opened, {c['slow_closed_by_server']} closed by the server")
+          f"{c['slow_opened']} opened, {c['slow_closed_by_server']} closed by the server; {c['retried']} requests "
+          "sent again after a transport error")
     for key, s in r["series"].items():
         print(f"  {key:14s} first quarter {s['first_quarter']:8.1f}  last quarter {s['last_quarter']:8.1f}  "
               f"ratio {s['ratio']:.3f}  slope {s['slope_per_min']:+.2%}/min  (min {s['min']:.1f}, max {s['max']:.1f})")
