@@ -225,7 +225,7 @@ async def trainer(http: httpx.AsyncClient, runs: Runs, counts: Counts, direct: r
                 continue  # deleted in this pass
             reads += 1
             reply = await send(http, counts, "POST", "/get_rollout_data",
-                               json={"run_id": run_id, "num": 64, "wait_s": 0.2, "lease_s": 60,
+                               json={"run_id": run_id, "num": 256, "wait_s": 0.2, "lease_s": 60,
                                      "batch_id": f"soak-read-{reads}"})
             if reply.status_code != 200:
                 raise RuntimeError(f"a read of {run_id} answered {reply.status_code}: {reply.text[:300]}")
@@ -305,14 +305,17 @@ async def _soak(server_url: str, port: int, api: psutil.Process, direct: redis.R
         runs.current = await _start_run(http, counts, engine_url, tokenizer)
         started = time.monotonic()
         stop = started + args.minutes * 60
-        await asyncio.gather(
-            agents(http, runs, counts, args.open, args.think_s, stop),
-            slow_clients(port, counts, args.slow, stop),
-            trainer(http, runs, counts, direct, stop),
-            sampler(server_url, api, direct, counts, samples, args.sample_s, started, stop),
-            rotate(http, runs, counts, engine_url, tokenizer, args.run_s, stop))
-        runs.retired.append(runs.current)
-        await trainer(http, runs, counts, direct, time.monotonic())  # drain and delete the last run too
+        # the trainer has its own connections: it never waits for one behind a thousand agents' requests
+        async with httpx.AsyncClient(base_url=server_url, timeout=120,
+                                     headers={"Authorization": f"Bearer {TOKEN}"}) as reader:
+            await asyncio.gather(
+                agents(http, runs, counts, args.open, args.think_s, stop),
+                slow_clients(port, counts, args.slow, stop),
+                trainer(reader, runs, counts, direct, stop),
+                sampler(server_url, api, direct, counts, samples, args.sample_s, started, stop),
+                rotate(http, runs, counts, engine_url, tokenizer, args.run_s, stop))
+            runs.retired.append(runs.current)
+            await trainer(reader, runs, counts, direct, time.monotonic())  # drain and delete the last run too
         final_redis = int(direct.info("memory")["used_memory"]) / 2**20
     series = {key: flatness(samples, key, args.warmup_s) for key in ("api_rss_mb", "redis_used_mb", "metrics_kb")}
     flat = all(s["ratio"] <= 1 + args.max_growth for s in series.values())
@@ -323,8 +326,8 @@ async def _soak(server_url: str, port: int, api: psutil.Process, direct: redis.R
             "ok": flat and released and not counts.unexpected and counts.turns > 0}
 
 
-def run(minutes: float = 10.0, open_sessions: int = 1000, slow: int = 50, warmup_s: float = 60.0,
-        run_s: float = 60.0, sample_s: float = 5.0, max_growth: float = 0.10, think_s: float = 5.0) -> dict[str, Any]:
+def run(minutes: float = 10.0, open_sessions: int = 1000, slow: int = 50, warmup_s: float = 180.0,
+        run_s: float = 60.0, sample_s: float = 5.0, max_growth: float = 0.10, think_s: float = 30.0) -> dict[str, Any]:
     """The soak as a function (the tests run it briefly)."""
     args = argparse.Namespace(minutes=minutes, open=open_sessions, slow=slow, warmup_s=warmup_s, run_s=run_s,
                               sample_s=sample_s, max_growth=max_growth, think_s=think_s)
@@ -350,10 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to drive the server (default 10)")
     parser.add_argument("--open", type=int, default=1000, help="sessions kept open at once (default 1000)")
     parser.add_argument("--slow", type=int, default=50, help="slow clients held at once (default 50)")
-    parser.add_argument("--warmup-s", type=float, default=60.0, help="samples before this are not judged")
+    parser.add_argument("--warmup-s", type=float, default=180.0,
+                        help="samples before this are not judged (default 180: a session lives ~2 minutes, so "
+                             "runs are deleted as fast as they start only after that)")
     parser.add_argument("--run-s", type=float, default=60.0, help="a new run every this many seconds")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
-    parser.add_argument("--think-s", type=float, default=5.0, help="an agent's mean time between turns")
+    parser.add_argument("--think-s", type=float, default=30.0,
+                        help="an agent's mean time between turns (default 30: 1,000 agents offer ~30 turns/s, "
+                             "what 2 shared cores serve; offered more, the backlog grows and nothing is flat)")
     parser.add_argument("--max-growth", type=float, default=0.10, help="last quarter over first, at most 1 + this")
     parser.add_argument("--json", type=Path, help="write the result (every sample included) here")
     parser.add_argument("--quick", action="store_true", help="1 minute, 100 sessions open, 10 slow clients")
