@@ -19,13 +19,15 @@ from rollout_buffer.wire.schema import CALL_META_KEYS
 
 __all__ = ["call_meta", "int32_array", "ReplayJoin"]
 
+_CALL_KEYS = tuple(sorted(CALL_META_KEYS))  # one order in every process (a set's depends on the hash seed)
 _TOP_P_IDS = ("top_p_token_ids", "top_p_kept_token_ids")
 _TOP_P_OFFSETS = ("top_p_token_offsets", "top_p_kept_token_offsets")
 
 
 def call_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    """The per-call fields of one `meta_info` that a trainer reads (`CALL_META_KEYS`), as they were."""
-    return {key: meta[key] for key in CALL_META_KEYS if meta.get(key) is not None}
+    """The per-call fields of one `meta_info` that a trainer reads (`CALL_META_KEYS`), as they were, in one
+    fixed key order, so a stored record's bytes do not depend on the process that built it."""
+    return {key: meta[key] for key in _CALL_KEYS if meta.get(key) is not None}
 
 
 def int32_array(meta: dict[str, Any], keys: tuple[str, ...]) -> np.ndarray | None:

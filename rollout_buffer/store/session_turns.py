@@ -4,7 +4,10 @@ Packed as a small JSON header and the id and logprob arrays as raw bytes (int32,
 long prompt is a copy, not a parse of thousands of numbers, and the arrays go to `/generate` and into the
 record without a Python object per token. A turn's prompt extends its parent's prompt and output, so only
 the new tail is stored (`base` tokens come from the turns of its `chain`): a session costs storage linear in
-its tokens, not quadratic; `resolve` puts the full prompts back together.
+its tokens, not quadratic; `resolve` puts the full prompts back together. A fork (a client that changed its
+history) starts no branch of ids of its own either: it names the turn it shares the most with
+(`prefix_turn`), and stores only what follows the first `base` tokens of that turn's prompt + output and the
+first `prefix_messages` messages of its conversation (`conversation`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ class Node:
     started_at: float = 0.0  # when its request reached the gateway (0: stored before this was kept)
     extra: dict[str, Any] = field(default_factory=dict)
     chain: list[int] = field(default_factory=list)  # ancestors, root first
-    base: int = 0  # prompt tokens that are the parent's prompt + output (not stored with this turn)
+    base: int = 0  # prompt tokens that are the source's prompt + output (not stored with this turn)
+    # a fork's source: the turn whose prompt + output its first `base` tokens are, and whose conversation its
+    # first `prefix_messages` messages are (-1: the source is the parent, and a root shares nothing)
+    prefix_turn: int = -1
+    prefix_messages: int = 0
     resolved: bool = True  # False after `unpack` until `resolve` restored the full prompt
     # what the engine calls' meta_info said, as the runtime keeps it per turn (`Turn.calls`, replay arrays)
     calls: list[dict[str, Any]] | None = None
@@ -77,7 +84,9 @@ class Node:
             "chain": self.chain, "base": self.base, "calls": self.calls,
             "routed_experts_start_len": self.routed_experts_start_len,
             "n_experts": None if self.routed_experts is None else len(self.routed_experts),
-            "n_top_p": None if self.top_p_token_ids is None else len(self.top_p_token_ids)})
+            "n_top_p": None if self.top_p_token_ids is None else len(self.top_p_token_ids),
+            **({"prefix_turn": self.prefix_turn, "prefix_messages": self.prefix_messages}
+               if self.prefix_turn >= 0 else {})})
         assert self.resolved, "pack a turn with its full prompt"
         prompt = np.ascontiguousarray(self.prompt_ids[self.base:], dtype="<i4").tobytes()
         output = np.ascontiguousarray(self.output_ids, dtype="<i4").tobytes()
@@ -117,29 +126,46 @@ class Node:
         return cls(prompt_ids=prompt, output_ids=output, output_logprobs=logprobs, resolved=head.get("base", 0) == 0,
                    **replay, **head)
 
+    @property
+    def source(self) -> int:
+        """The turn this one's first `base` prompt tokens come from."""
+        return self.prefix_turn if self.prefix_turn >= 0 else self.parent
+
+    def complete(self, source: Node) -> None:
+        """Put the full prompt back: the first `base` tokens of `source`'s (resolved) prompt + output, then
+        the stored tail."""
+        if len(source.prompt_ids) >= self.base:
+            shared = [source.prompt_ids[:self.base]]
+        else:
+            shared = [source.prompt_ids, source.output_ids[:self.base - len(source.prompt_ids)]]
+        self.prompt_ids = np.concatenate([*shared, self.prompt_ids])
+        self.resolved = True
+
 
 def resolve(nodes: dict[int, Node]) -> None:
-    """Give every node in `nodes` its full prompt; `nodes` must hold each one's whole chain."""
-    def full(node: Node) -> np.ndarray:
+    """Give every node in `nodes` its full prompt; `nodes` must hold each one's whole chain. A source is
+    always an earlier turn, so turns in order find theirs resolved."""
+    for node in sorted(nodes.values(), key=lambda n: n.index):
         if not node.resolved:
-            parent = nodes[node.parent]
-            node.prompt_ids = np.concatenate([full(parent), parent.output_ids, node.prompt_ids])
-            node.resolved = True
-        return node.prompt_ids
-
-    for node in sorted(nodes.values(), key=lambda n: len(n.chain)):
-        full(node)
+            node.complete(nodes[node.source])
 
 
 def conversation(nodes: dict[int, Node], last: Node) -> list[dict[str, Any]]:
-    """The full conversation through `last`'s answer: its branch's messages, root first."""
-    chain: list[Node] = []
+    """The full conversation through `last`'s answer: its branch's messages, root first; a fork's root
+    begins with the first `prefix_messages` of its source's conversation (`nodes` holds `last`'s chain)."""
+    branches: list[list[Node]] = []
     node: Node | None = last
     while node is not None:
-        chain.append(node)
-        node = nodes.get(node.parent) if node.parent >= 0 else None
+        branch = [node]
+        while branch[-1].parent >= 0 and branch[-1].parent in nodes:
+            branch.append(nodes[branch[-1].parent])
+        branches.append(branch)
+        root = branch[-1]
+        node = nodes[root.prefix_turn] if root.parent < 0 and root.prefix_messages else None
     messages: list[dict[str, Any]] = []
-    for step in reversed(chain):
-        messages.extend(step.new_messages)
-        messages.append(step.message)
+    for branch in reversed(branches):  # the oldest source first: each root cuts what came before it
+        messages = messages[:branch[-1].prefix_messages]
+        for step in reversed(branch):
+            messages.extend(step.new_messages)
+            messages.append(step.message)
     return messages

@@ -14,7 +14,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import orjson
 
 from rollout_buffer.store import acks, keys
@@ -70,6 +69,7 @@ class NodeCache:
         self.max_tokens = max_tokens
         self._tokens = 0
         self._items: OrderedDict[tuple[str, int], Node] = OrderedDict()
+        self._by_session: dict[str, set[int]] = {}
 
     def get(self, session_id: str, index: int) -> Node | None:
         found = self._items.get((session_id, index))
@@ -83,10 +83,29 @@ class NodeCache:
         if key in self._items or size > self.max_tokens or not node.resolved:
             return
         self._items[key] = node
+        self._by_session.setdefault(session_id, set()).add(node.index)
         self._tokens += size
         while self._tokens > self.max_tokens:
-            _, old = self._items.popitem(last=False)
-            self._tokens -= len(old.prompt_ids) + len(old.output_ids)
+            (sid, index), old = self._items.popitem(last=False)
+            self._drop(sid, index, old)
+
+    def forget(self, session_id: str) -> None:
+        """A finished session takes no more turns: its cached turns go now, not when the bound pushes them out."""
+        for index in self._by_session.pop(session_id, set()).copy():
+            node = self._items.pop((session_id, index), None)
+            if node is not None:
+                self._tokens -= len(node.prompt_ids) + len(node.output_ids)
+
+    def _drop(self, session_id: str, index: int, node: Node) -> None:
+        self._tokens -= len(node.prompt_ids) + len(node.output_ids)
+        indices = self._by_session.get(session_id)
+        if indices is not None:
+            indices.discard(index)
+            if not indices:
+                del self._by_session[session_id]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class SessionStore:
@@ -191,10 +210,9 @@ class SessionStore:
                 found[index] = cached
         fetched = await self._fetch(run_id, session_id, [i for i in indices if i not in found])
         for node in fetched.values():
-            parent = None if node.resolved else self.turns.get(session_id, node.parent)
-            if parent is not None:
-                node.prompt_ids = np.concatenate([parent.prompt_ids, parent.output_ids, node.prompt_ids])
-                node.resolved = True
+            source = None if node.resolved else self.turns.get(session_id, node.source)
+            if source is not None:
+                node.complete(source)
         found.update(fetched)
         missing = sorted({a for n in found.values() if not n.resolved for a in n.chain} - set(found))
         found.update(await self._fetch(run_id, session_id, missing))
@@ -236,7 +254,10 @@ class SessionStore:
         await self.redis.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)
 
     async def close(self, run_id: str, session_id: str, status: str) -> None:
-        """Mark a session finished (its record is already written) and stop its idle clock."""
+        """Mark a session finished (its record is already written) and stop its idle clock; this process's
+        cached turns of it are dropped (a finished session takes no more requests)."""
+        self.turns.forget(session_id)
+        self._facts.pop(session_id, None)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.session_status(run_id), session_id, status)
         pipe.zrem(keys.session_open(run_id), session_id)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from rollout_buffer.api.bodies import json_body
 from rollout_buffer.api.gateway import wire_responses
 from rollout_buffer.api.gateway.errors import GatewayError, Opened, error_response, open_session
-from rollout_buffer.api.gateway.records import conversation
+from rollout_buffer.store.session_turns import conversation
 from rollout_buffer.api.gateway.schemas import ResponsesBody
 from rollout_buffer.api.gateway.serving import answer_turn, count, streamed
 from rollout_buffer.api.gateway.stream_responses import ResponsesStream

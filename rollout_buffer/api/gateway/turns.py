@@ -8,6 +8,9 @@ from an earlier turn than the latest starts a new branch, counted per reason in 
 (`gateway_forks:<reason>`): `edited` (history changed), `compacted` (history shorter than the last
 request), `tools_changed`, `foreign_assistant`, `rewind`. The exact same request again (a client's retry
 after a lost answer or a killed process) replays the stored turn: no second generation, no duplicate turn.
+A fork stores what it adds: it names the turn it shares the longest token prefix with (the session's latest,
+or the turn a foreign assistant message left) and keeps only its own tokens and messages after that prefix
+(`shares`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rollout_buffer.api.gateway import history
+from rollout_buffer.api.gateway.fork_prefix import Shared, shares
 from rollout_buffer.api.gateway.rendering import render_off_loop
 from rollout_buffer.api.gateway.context import Gateway, RunContext
 from rollout_buffer.api.gateway.session_caps import Usage, check_session
@@ -147,8 +151,9 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     if parent_index is not None:
         [parent] = await store.nodes(run_id, sid, [parent_index])
     new = messages[cut:] if parent is not None else messages
+    foreign: int | None = None  # the turn a foreign assistant message left: a candidate source of the prefix
     if parent is not None and any(m.get("role") == "assistant" for m in new):
-        parent, fork, new = None, "foreign_assistant", messages
+        foreign, parent, fork, new = parent.index, None, "foreign_assistant", messages
     elif parent is not None and parent.index != count - 1:
         fork = "rewind"
     elif parent is None and count > 0:
@@ -161,6 +166,11 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
     if len(prompt) > gw.settings.max_prompt_tokens:
         raise TurnRequestError("messages", f"messages: the prompt is {len(prompt)} tokens, more than "
                                            f"--max-prompt-tokens {gw.settings.max_prompt_tokens}")
+    shared = Shared()
+    if parent is None and count > 0:  # a fork: what it shares with a stored turn is stored once
+        candidates = [count - 1] + ([foreign] if foreign is not None and foreign != count - 1 else [])
+        shared = await shares(store, run_id, sid, candidates, prompt, messages)
+        new = messages[shared.messages:]
     client = gw.engine_client(ctx, sid)
     # engine request ids: unique per call (a retry after a killed process may meet its first attempt still in
     # the engine), readable in the engine's logs
@@ -185,8 +195,9 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
                     fork_reason=fork, created_at=time.time(), started_at=arrived,
                     extra={"malformed_tool_calls": parsed.malformed} if parsed.malformed else {},
                     **replay_fields(turn),
-                    chain=[] if parent is None else [*parent.chain, parent.index],
-                    base=0 if parent is None else len(parent.prompt_ids) + len(parent.output_ids))
+                    chain=[*shared.chain] if parent is None else [*parent.chain, parent.index],
+                    base=shared.tokens if parent is None else len(parent.prompt_ids) + len(parent.output_ids),
+                    prefix_turn=shared.turn, prefix_messages=shared.messages)
         counters = {"gateway_turns": 1, "gateway_prompt_tokens": len(prompt),
                     "gateway_output_tokens": len(node.output_ids)}
         if fork is not None:
