@@ -13,7 +13,7 @@ import httpx
 import orjson
 
 from rollout_buffer.wire import packed_read
-from slime_adapter.build import build_samples
+from slime_adapter.samples.build import build_samples
 from tests.support.gateway import CALCULATOR, finish, new_session, start_external
 
 # what changes between plays (ids, clocks) and is not part of the stored shapes
