@@ -10,6 +10,7 @@ port behind."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.support.leaks import leftovers
+from tests.support.leaks import descendants, leftovers
 from tests.support.process_tools import alive
 
 TESTS = Path(__file__).resolve().parent
@@ -60,17 +61,23 @@ def test_the_leftover_check_sees_a_child_a_grandchild_and_a_listening_port() -> 
     child = subprocess.Popen(["bash", "-c", "sleep 300 & wait"])
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
+    ours = [child.pid]  # only what this test started: the worker's session servers are its children too
     try:
         found = leftovers(grace_s=0.5)
-        assert child.pid in found.processes and len(found.processes) >= 2, "bash and its sleep"
+        ours += descendants(child.pid)
+        assert child.pid in found.processes and len(ours) >= 2 and set(ours) <= set(found.processes), \
+            "bash and its sleep"
         assert (os.getpid(), f"127.0.0.1:{port}") in found.ports
         assert f"still listens on 127.0.0.1:{port}" in found.describe()
     finally:
-        for pid in found.processes:
-            os.kill(pid, 9)
+        for pid in ours:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
         child.wait(timeout=30)
         listener.close()
-    assert not leftovers(grace_s=30), "all gone once stopped"
+    after = leftovers(grace_s=0.5)
+    assert not set(ours) & set(after.processes), "all gone once stopped"
+    assert (os.getpid(), f"127.0.0.1:{port}") not in after.ports
 
 
 def test_a_run_that_leaves_a_process_behind_fails_and_leaves_nothing(tmp_path: Path) -> None:

@@ -157,7 +157,10 @@ def run_api(settings: Settings, sockets: list[socket.socket] | None = None) -> i
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=10, http=protocol, timeout_keep_alive=5)
     server = uvicorn.Server(config)
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn raises Ctrl+C's signal again once shut down (as `uvicorn.run` catches)
+        pass
     return 0 if server.started else 3
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,6 +134,8 @@ def no_leftover_processes() -> Iterator[None]:
     """After the last test of this process: fail when a process or a listening port is left behind (and kill
     the processes, so the run leaves nothing either way)."""
     yield
+    if "wandb" in sys.modules:  # wandb's service process lives as long as the process that used wandb
+        sys.modules["wandb"].teardown()
     found = leftovers()
     if found:
         report = found.describe()
