@@ -155,11 +155,14 @@ def test_group_timeout_hand_over_and_drop(tmp_path: Path) -> None:
             else:
                 assert not answer["success"]
                 assert stats["drops"]["group_timeout"] == 1
-                client.post("/buffer/write", json=make_record("i1"))
-                for _ in range(3):
-                    client.post("/buffer/write", json=make_record("i2"))
+                # one request, so the 0.3 s group timeout cannot fall between i2's writes under load (i1 stays
+                # incomplete and may time out before the read too)
+                written = client.post("/buffer/write_batch", json={"run_id": run_id, "records": [
+                    make_record("i1"), *(make_record("i2") for _ in range(3))]})
+                assert written.status_code == 200, written.text
                 answer = client.post("/get_rollout_data", json={"wait_s": 5}).json()
-                assert answer["data"]["meta_info"]["timed_out_groups"] == ["0:i0"]
+                assert [r["instance_id"] for r in answer["data"]["data"]] == ["i2"] * 3, answer
+                assert "0:i0" in answer["data"]["meta_info"]["timed_out_groups"]
             late = client.post("/buffer/write", json=make_record("i0"))
             assert late.status_code == 409 and "late write" in late.json()["message"]
 
