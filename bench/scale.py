@@ -39,9 +39,9 @@ def _message(rng: random.Random, index: int, turn: int, words: int) -> str:
             + f". What is {index} + {turn}?")
 
 
-async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int,
-                        words: int) -> tuple[dict[Key, float], int]:
-    """Every session's turns, all sessions at once; (seconds per call, errors)."""
+async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int, words: int,
+                        spread_s: float = 0.0) -> tuple[dict[Key, float], int]:
+    """Every session's turns, the sessions' first turns spread evenly over `spread_s`; (seconds per call, errors)."""
     times: dict[Key, float] = {}
     errors = 0
     connector = aiohttp.TCPConnector(limit=0)
@@ -50,6 +50,7 @@ async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int,
         async def one(index: int, session: dict[str, Any]) -> None:
             nonlocal errors
             rng = random.Random(index)
+            await asyncio.sleep(spread_s * index / len(sessions))
             messages: list[dict[str, Any]] = []
             headers = {"Authorization": f"Bearer {session['api_key']}", "Content-Type": "application/json"}
             for turn in range(turns):
@@ -73,8 +74,10 @@ async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int,
     return times, errors
 
 
-async def _replay_timed(url: str, calls: list[dict[str, Any]], params: dict[str, Any]) -> dict[Key, float]:
-    """The engine's logged calls replayed by a bare client, each session's in order, all sessions at once."""
+async def _replay_timed(url: str, calls: list[dict[str, Any]], params: dict[str, Any],
+                        starts: dict[str, float]) -> dict[Key, float]:
+    """The engine's logged calls replayed by a bare client, each session's in order, each session starting at
+    the offset (seconds) it started at in the gateway's run."""
     per_session: dict[str, list[dict[str, Any]]] = {}
     for call in calls:
         rid = str(call["rid"])
@@ -85,6 +88,7 @@ async def _replay_timed(url: str, calls: list[dict[str, Any]], params: dict[str,
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
 
         async def one(session_id: str, bodies: list[dict[str, Any]]) -> None:
+            await asyncio.sleep(starts.get(session_id, 0.0))
             for turn, body in enumerate(bodies):
                 started = time.perf_counter()
                 async with http.post(f"{url}/generate", data=orjson.dumps(body),
@@ -99,7 +103,7 @@ async def _replay_timed(url: str, calls: list[dict[str, Any]], params: dict[str,
 
 
 def _one_config(work: Path, engine: Any, engine_url: str, tokenizer: str, api_processes: int, sessions_n: int,
-                turns: int, words: int) -> dict[str, Any]:
+                turns: int, words: int, spread_s: float) -> dict[str, Any]:
     from rollout_buffer.runtime.options import sglang_sampling_params
     from rollout_buffer.runtime.worker_main import event_loop_factory
     from rollout_buffer.wire.schema import StartRolloutRequest
@@ -117,7 +121,9 @@ def _one_config(work: Path, engine: Any, engine_url: str, tokenizer: str, api_pr
                     "run_id": f"scale-{api_processes}", "num_repeat_per_sample": 1, "sampling_params": sampling,
                     "engine_timeout_s": 300}
             client.post("/start_rollout", json=body).raise_for_status()
-            # every API process loads the run's tokenizer before the clock starts
+            # every API process loads the run's tokenizer before the clock starts: its session sweep (every 5 s)
+            # prepares each live run, and a few warm-up turns go through whichever processes accept them
+            time.sleep(6)
             warm = [client.post(f"/runs/scale-{api_processes}/sessions", json={"instance_id": f"w{i}"}).json()
                     for i in range(4 * api_processes)]
             with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
@@ -131,21 +137,27 @@ def _one_config(work: Path, engine: Any, engine_url: str, tokenizer: str, api_pr
         cpu_before = sum(map(cpu_seconds_precise, api))
         with RssSampler(procs, every_s=0.2) as rss, asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             started = time.perf_counter()
-            times, errors = runner.run(_sessions_run(url, sessions, turns, words))
+            times, errors = runner.run(_sessions_run(url, sessions, turns, words, spread_s))
             seconds = time.perf_counter() - started
         cpu_ms = 1000 * (sum(map(cpu_seconds_precise, api)) - cpu_before) / max(1, len(times))
         calls = httpx.get(f"{engine_url}/_test/calls").json()
+        if len(calls) != len(times):
+            raise RuntimeError(f"the engine logged {len(calls)} calls for {len(times)} answered turns")
         httpx.post(f"{engine_url}/_test/reset_stats")
         params = sglang_sampling_params(StartRolloutRequest(task_type="external", sampling_params=sampling))
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            bare = runner.run(_replay_timed(engine_url, calls, params))
+            starts = {s["session_id"]: spread_s * i / len(sessions) for i, s in enumerate(sessions)}
+            bare = runner.run(_replay_timed(engine_url, calls, params, starts))
     finally:
         _stop(server)
     added = np.array([1000 * (times[k] - bare[k]) for k in times if k in bare])
+    by_turn = {t: [1000 * (times[k] - bare[k]) for k in times if k in bare and k[1] == t] for t in range(turns)}
     engine_ms = np.array([1000 * v for v in bare.values()])
     return {"api_processes": api_processes, "calls": len(times), "errors": errors, "seconds": seconds,
             "turns_per_s": len(times) / seconds, "added_p50_ms": float(np.percentile(added, 50)),
-            "added_p99_ms": float(np.percentile(added, 99)), "engine_p50_ms": float(np.percentile(engine_ms, 50)),
+            "added_p99_ms": float(np.percentile(added, 99)),
+            "added_p99_ms_by_turn": [float(np.percentile(v, 99)) for v in by_turn.values() if v],
+            "engine_p50_ms": float(np.percentile(engine_ms, 50)),
             "engine_p99_ms": float(np.percentile(engine_ms, 99)), "api_cpu_ms_per_call": cpu_ms,
             "peak_rss_mb": rss.peak_kib / 1024,
             "peak_redis_mb": sum(v for p, v in rss.peak_by_pid.items() if p in redis) / 1024,
@@ -167,9 +179,14 @@ def run(quick: bool = False, *, sessions: int | None = None, turns: int = 4, wor
         engine_url = f"http://127.0.0.1:{engine_port}"
         try:
             _wait_for(f"{engine_url}/health", engine)
-            httpx.post(f"{engine_url}/_test/config", json={"latency_s": latency_s})
+            # the engine logs every call of the run (its default keeps the last 2,048): the baseline replays them all
+            httpx.post(f"{engine_url}/_test/config",
+                       json={"latency_s": latency_s, "call_log_size": 2 * sessions * turns}).raise_for_status()
             for n in processes:
-                results.append(_one_config(work, engine, engine_url, tokenizer, n, sessions, turns, words))
+                # agents do not start in the same millisecond: their first turns spread over one engine
+                # latency, so the ~250 turns/s arrive steadily rather than as 1,024-call bursts every 4 s
+                results.append(_one_config(work, engine, engine_url, tokenizer, n, sessions, turns, words,
+                                           spread_s=latency_s))
         finally:
             _stop(engine)
     return {"sessions": sessions, "turns": turns, "words_per_turn": words, "latency_s": latency_s,
@@ -188,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['sessions']} sessions x {r['turns']} turns, {c['api_processes']} API proc.: added p50 "
               f"{c['added_p50_ms']:.0f} ms, p99 {c['added_p99_ms']:.0f} ms (engine p50 {c['engine_p50_ms']:.0f} ms), "
               f"{c['errors']} errors, {c['turns_per_s']:.0f} turns/s, API CPU {c['api_cpu_ms_per_call']:.2f} ms/call, "
-              f"peak RSS API+Redis {c['peak_rss_mb']:.0f} MB (Redis {c['peak_redis_mb']:.0f} MB)")
+              f"peak RSS API+Redis {c['peak_rss_mb']:.0f} MB (Redis {c['peak_redis_mb']:.0f} MB); p99 by turn "
+              + ", ".join(f"{v:.0f}" for v in c["added_p99_ms_by_turn"]) + " ms")
     print(f"load average {r['load_average']['before']:.1f} -> {r['load_average']['after']:.1f} on {r['cores']} cores")
     return 0
 

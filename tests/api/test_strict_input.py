@@ -150,6 +150,36 @@ async def test_gateway_caches_of_ended_runs_are_dropped(tmp_path: Path) -> None:
         embedded.stop()
 
 
+async def test_every_api_process_prepares_a_live_run_before_its_first_turn(tmp_path: Path,
+                                                                           qwen_tokenizer_path: str) -> None:
+    """Two Gateways on one Redis stand for two API processes: the run started through one is built in the
+    other by its sweep, so no turn there waits for the tokenizer; an ended run's context is not rebuilt."""
+    from rollout_buffer.api.gateway.context import Gateway
+    from rollout_buffer.api.gateway.reaper import reap_once
+    from rollout_buffer.settings import Settings
+    from rollout_buffer.store.embedded import EmbeddedRedis
+    from rollout_buffer.store.store import Store
+    from rollout_buffer.wire.schema import StartRolloutRequest
+
+    embedded = EmbeddedRedis(tmp_path / "redis")
+    store = Store.from_url(embedded.start())
+    try:
+        settings = Settings(input_root=[Path(qwen_tokenizer_path).parent])
+        first, second = Gateway(store, settings), Gateway(store, settings)
+        request = StartRolloutRequest(task_type="external", remote_engine_url="http://127.0.0.1:9",
+                                      tokenizer_path=qwen_tokenizer_path, run_id="warm", num_repeat_per_sample=1)
+        assert await first.start_run(request) == ("warm", True)
+        assert "warm" not in second._contexts
+        await reap_once(second)
+        assert second._contexts["warm"].run_id == "warm"
+        await store.set_run_status("warm", "finished")
+        await reap_once(second)
+        assert "warm" not in second._contexts
+    finally:
+        await store.close()
+        embedded.stop()
+
+
 def test_agent_slots_are_released_with_the_run() -> None:
     from rollout_buffer.agents import task as agent_task
 

@@ -1,7 +1,10 @@
 """Idle sessions finish as failed, so their groups never hang: every API process sweeps every live
 external run's open sessions; a session idle past `--session-timeout-s` is written as a `failed` record
 (reward 0, counted as `gateway_sessions_timed_out`). Processes racing on one session store it once
-(the record's uid is the session id). Each sweep also drops the cached contexts of runs that ended."""
+(the record's uid is the session id). Each sweep also drops the cached contexts of runs that ended, and
+builds those of live runs this process has not served yet: with several API processes, the run's tokenizer
+is loaded in every one within a sweep of `/start_rollout`, not by the first turn that lands there (seconds
+during which that process's turns of the run would wait)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ async def reap_once(gw: Gateway) -> int:
         meta = await gw.store.run_meta(run_id)
         if meta.get("task_type") != TASK_TYPE:
             continue
+        if meta.get("status") == "running":
+            await _warm(gw, run_id)
         for session_id in await gw.sessions.idle(run_id, cutoff):
             session = await gw.sessions.get(run_id, session_id)
             if session is None or not session.is_open:
@@ -35,6 +40,15 @@ async def reap_once(gw: Gateway) -> int:
                                  counter="gateway_sessions_timed_out")
             reaped += 1
     return reaped
+
+
+async def _warm(gw: Gateway, run_id: str) -> None:
+    """Build the run's context ahead of its first turn here; a run that cannot be served is left to its turns
+    (which answer with the reason)."""
+    try:
+        await gw.context(run_id)
+    except Exception as exc:  # noqa: BLE001 - a bad stored config is reported by the turns that use it
+        log.debug("gateway: cannot prepare run %s ahead of its turns: %s", run_id, exc)
 
 
 async def reap_forever(gw: Gateway) -> None:

@@ -40,6 +40,7 @@ class EngineConfig:
     token_delay_s: float = 0.0
     stream_interval: int = 1
     incremental_streaming_output: bool = False
+    call_log_size: int = 2_048  # generations kept in the call log (GET /_test/calls), the oldest go first
 
     def update(self, values: dict[str, Any]) -> None:
         """Apply validated changes; unknown keys or bad values raise ValueError."""
@@ -61,7 +62,7 @@ class EngineConfig:
 _FLOAT_KEYS = {"latency_s", "latency_jitter_s", "token_delay_s", "p_correct",
                "error_rate", "abort_rate", "hang_rate", "malformed_rate"}
 _INT_KEYS = {"seed", "fail_next", "abort_next", "hang_next", "malformed_next", "spec_draft_tokens", "moe_layers",
-             "moe_topk", "moe_experts", "stream_interval"}
+             "moe_topk", "moe_experts", "stream_interval", "call_log_size"}
 
 
 def _coerce(key: str, value: Any) -> Any:

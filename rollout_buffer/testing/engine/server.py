@@ -47,7 +47,6 @@ from rollout_buffer.testing.engine.stats import EngineStats
 from rollout_buffer.testing.tokenizer import EXTRA_TEMPLATES, TEMPLATES, load_qwen_tokenizer, qwen_tokenizer_dir
 
 ENGINE_ID_HEADER = "X-Test-Engine-Id"
-CALL_LOG_SIZE = 2_048  # generations kept in the call log (the oldest go first)
 # every `test:<template>` tokenizer: qwen3.5 answers with XML tool calls (policy.as_xml_calls)
 ENGINE_TEMPLATES: tuple[str, ...] = TEMPLATES + EXTRA_TEMPLATES
 
@@ -100,7 +99,7 @@ class TestEngine:
         self.routing_keys: dict[str, int] = {}  # generation requests per X-SMG-Routing-Key (GET /_test/routing_keys)
         # every generation's ids, in order (GET /_test/calls): the ground truth token-exact records are checked
         # against
-        self.calls: collections.deque[dict[str, Any]] = collections.deque(maxlen=CALL_LOG_SIZE)
+        self.calls: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.config.call_log_size)
         self._lock = threading.Lock()
         self.policy = ScriptedPolicy(self.codec, template, self.eos_id, self.config, responder)
         self.faults = FaultInjector(self.config, self.stats, self._lock)
@@ -236,6 +235,8 @@ class TestEngine:
         with self._lock:
             self.stats.prompt_tokens += len(prompt_ids)
             self.stats.generated_tokens += len(ids)
+            if self.calls.maxlen != self.config.call_log_size:  # resized through POST /_test/config
+                self.calls = collections.deque(self.calls, maxlen=self.config.call_log_size)
             self.calls.append({"rid": request_id, "prompt_ids": list(prompt_ids), "output_ids": list(ids),
                                "output_logprobs": list(logprobs), "finish_reason": reason,
                                **{k: params[k] for k in CONSTRAINTS if params.get(k) is not None}})
