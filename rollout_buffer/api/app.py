@@ -23,6 +23,7 @@ from rollout_buffer.api.browser_guard import BrowserGuard, default_hosts
 from rollout_buffer.api.errors import BodySizeLimit, install_error_handlers
 from rollout_buffer.api.replicated_answers import ReplicatedAnswers
 from rollout_buffer.api.fast_write import FastWrite
+from rollout_buffer.api.gateway.fast_path import FastGateway
 from rollout_buffer.api.gateway import app as gateway
 from rollout_buffer.api.responses import OrjsonResponse
 from rollout_buffer.api.routes import ops, policy, reads, runs, writes
@@ -139,6 +140,7 @@ def create_app(settings: Settings | None = None, runtime_factory: RuntimeFactory
     app.state.access = AccessPolicy.from_settings(settings)  # input roots, tokenizers, outbound URLs
     # innermost: single-record writes answered without the framework's routing (inside the limit and auth)
     app.add_middleware(FastWrite)
+    app.add_middleware(FastGateway)  # the same for the gateway's model routes (a turn is the other hot request)
     # around every route: an answer that acknowledges state waits for the replicas first (`store.acks`)
     app.add_middleware(ReplicatedAnswers)
     app.add_middleware(BodySizeLimit, limits=BodyLimits.from_settings(settings))

@@ -65,7 +65,7 @@ class FastWrite:
             status, answer = await write_one(app.state.buffer, parsed, pinned)  # type: ignore[arg-type]
             response: Any = OrjsonResponse(answer, status_code=status)
         except Exception as exc:
-            handler = _handler(app.exception_handlers, exc)
+            handler = exception_handler(app.exception_handlers, exc)
             if handler is None:
                 raise  # the framework's server-error middleware answers 500, as for a routed request
             response = handler(Request(scope, receive), exc)
@@ -85,7 +85,7 @@ async def _body(receive: Receive) -> bytes | None:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _handler(handlers: dict[Any, Any], exc: Exception) -> Any:
+def exception_handler(handlers: dict[Any, Any], exc: Exception) -> Any:
     """The app's handler for `exc`, looked up along its class's MRO as Starlette does."""
     for cls in type(exc).__mro__:
         if cls in handlers:
