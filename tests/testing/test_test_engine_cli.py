@@ -56,7 +56,7 @@ def test_the_qwen35_template_answers_with_xml_tool_calls() -> None:
         [call] = message["tool_calls"]
         assert call["function"]["name"] == "calculator"
         assert json.loads(call["function"]["arguments"]) == {"expression": "3 * 7"}
-        generated = engine.tokenizer.decode(engine.calls[-1]["output_ids"])
+        generated = engine.tokenizer.decode(engine.call_log()[-1]["output_ids"])
         assert "<function=calculator>\n<parameter=expression>\n3 * 7\n</parameter>" in generated, generated
         messages += [message, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
         second = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "tools": [CALCULATOR]})

@@ -14,6 +14,7 @@ import random
 import socket
 import threading
 import uuid
+from array import array
 from typing import Any
 
 import orjson
@@ -168,9 +169,9 @@ class TestEngine:
             self.calls.clear()
 
     def call_log(self) -> list[dict[str, Any]]:
-        """A copy of the log of generations (see `calls`)."""
+        """A copy of the log of generations (see `calls`), its id and logprob arrays as lists."""
         with self._lock:
-            return list(self.calls)
+            return [{k: v.tolist() if isinstance(v, array) else v for k, v in call.items()} for call in self.calls]
 
     def routing_key_counts(self) -> dict[str, int]:
         """Generation requests per `X-SMG-Routing-Key` value since the last reset."""
@@ -237,8 +238,10 @@ class TestEngine:
             self.stats.generated_tokens += len(ids)
             if self.calls.maxlen != self.config.call_log_size:  # resized through POST /_test/config
                 self.calls = collections.deque(self.calls, maxlen=self.config.call_log_size)
-            self.calls.append({"rid": request_id, "prompt_ids": list(prompt_ids), "output_ids": list(ids),
-                               "output_logprobs": list(logprobs), "finish_reason": reason,
+            # arrays, not lists: a long log of lists of ints is millions of references for every full
+            # garbage collection to walk (pauses of 100 ms and more that a benchmark would count as latency)
+            self.calls.append({"rid": request_id, "prompt_ids": array("i", prompt_ids), "output_ids": array("i", ids),
+                               "output_logprobs": array("d", logprobs), "finish_reason": reason,
                                **{k: params[k] for k in CONSTRAINTS if params.get(k) is not None}})
 
     async def serve_generation(self, request: Request, build: Build) -> web.Response | Streamed:
