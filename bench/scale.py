@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import os
 import random
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -102,6 +105,18 @@ async def _replay_timed(url: str, calls: list[dict[str, Any]], params: dict[str,
     return times
 
 
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """The load generator's heap (the sessions' histories, the replayed calls: millions of references) kept
+    out of its garbage collections while it times calls, so a collection's pause is not counted as latency."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _one_config(work: Path, engine: Any, engine_url: str, tokenizer: str, api_processes: int, sessions_n: int,
                 turns: int, words: int, spread_s: float) -> dict[str, Any]:
     from rollout_buffer.runtime.options import sglang_sampling_params
@@ -135,7 +150,8 @@ def _one_config(work: Path, engine: Any, engine_url: str, tokenizer: str, api_pr
         redis = [p for p in procs if "redis-server" in cmdline(p)]
         api = [p for p in procs if p not in redis]
         cpu_before = sum(map(cpu_seconds_precise, api))
-        with RssSampler(procs, every_s=0.2) as rss, asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        with RssSampler(procs, every_s=0.2) as rss, asyncio.Runner(loop_factory=event_loop_factory()) as runner, \
+                _frozen_heap():
             started = time.perf_counter()
             times, errors = runner.run(_sessions_run(url, sessions, turns, words, spread_s))
             seconds = time.perf_counter() - started
@@ -145,8 +161,8 @@ def _one_config(work: Path, engine: Any, engine_url: str, tokenizer: str, api_pr
             raise RuntimeError(f"the engine logged {len(calls)} calls for {len(times)} answered turns")
         httpx.post(f"{engine_url}/_test/reset_stats")
         params = sglang_sampling_params(StartRolloutRequest(task_type="external", sampling_params=sampling))
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            starts = {s["session_id"]: spread_s * i / len(sessions) for i, s in enumerate(sessions)}
+        starts = {s["session_id"]: spread_s * i / len(sessions) for i, s in enumerate(sessions)}
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner, _frozen_heap():
             bare = runner.run(_replay_timed(engine_url, calls, params, starts))
     finally:
         _stop(server)
