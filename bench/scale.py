@@ -1,9 +1,10 @@
 """A thousand agents on the gateway: 1,024 sessions at once, the engine taking 4 s a call, 4 turns each with a
-growing history (every turn adds a ~200-word user message and the answer), so ~250 turns/s arrive.
+growing history (every turn adds a ~200-word user message and the answer), so ~250 turns/s arrive: the
+agents start over one engine latency (not in the same millisecond), each with its own client and connection.
 
 Ours: `serve --api-processes N --workers 0` (N = 1, then 2; embedded Redis) in front of the test engine
 (`rollout-buffer test-engine`, its own process); the load generator (plain aiohttp, the whole history sent
-each call, as agents do) runs here and times every call. Baseline, in the same run right after: a bare
+each call, as agents do) runs here and times every call, its heap kept out of its garbage collections. Baseline, in the same run right after: a bare
 aiohttp client replaying exactly the `/generate` calls the engine logged for those sessions (same ids, rids,
 routing keys), at the same concurrency, timed call by call: the engine's own latency. A call's added latency
 is the gateway's time for it minus the bare replay's time for the same call; the row prints p50 and p99 of
@@ -44,18 +45,19 @@ def _message(rng: random.Random, index: int, turn: int, words: int) -> str:
 
 async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int, words: int,
                         spread_s: float = 0.0) -> tuple[dict[Key, float], int]:
-    """Every session's turns, the sessions' first turns spread evenly over `spread_s`; (seconds per call, errors)."""
+    """Every session's turns, the sessions' first turns spread evenly over `spread_s`; (seconds per call, errors).
+    Each session is its own client with its own keep-alive connection, as each agent is its own process."""
     times: dict[Key, float] = {}
     errors = 0
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+    timeout = aiohttp.ClientTimeout(total=600)
 
-        async def one(index: int, session: dict[str, Any]) -> None:
-            nonlocal errors
-            rng = random.Random(index)
-            await asyncio.sleep(spread_s * index / len(sessions))
-            messages: list[dict[str, Any]] = []
-            headers = {"Authorization": f"Bearer {session['api_key']}", "Content-Type": "application/json"}
+    async def one(index: int, session: dict[str, Any]) -> None:
+        nonlocal errors
+        rng = random.Random(index)
+        await asyncio.sleep(spread_s * index / len(sessions))
+        messages: list[dict[str, Any]] = []
+        headers = {"Authorization": f"Bearer {session['api_key']}", "Content-Type": "application/json"}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=timeout) as http:
             for turn in range(turns):
                 messages.append({"role": "user", "content": _message(rng, index, turn, words)})
                 body = orjson.dumps({"model": "m", "messages": messages})
@@ -73,7 +75,7 @@ async def _sessions_run(url: str, sessions: list[dict[str, Any]], turns: int, wo
                 times[(session["session_id"], turn)] = time.perf_counter() - started
                 messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
 
-        await asyncio.gather(*(one(i, s) for i, s in enumerate(sessions)))
+    await asyncio.gather(*(one(i, s) for i, s in enumerate(sessions)))
     return times, errors
 
 
