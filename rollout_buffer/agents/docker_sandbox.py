@@ -35,6 +35,7 @@ from aiodocker.exceptions import DockerError
 from aiodocker.execs import Exec
 
 from rollout_buffer.agents import docker_engine as engine
+from rollout_buffer.agents import docker_storage as storage
 from rollout_buffer.agents.docker_engine import image_exists, remove_stale_containers
 from rollout_buffer.agents.local import _Tail
 from rollout_buffer.agents.sandbox import MODEL_PORT, ExecResult, Limits, SandboxError
@@ -106,6 +107,7 @@ class DockerSandbox:
         self.model_url: str | None = None
         self.container_id: str | None = None
         self._path_env = DEFAULT_PATH
+        self.storage_watched = False  # the writable root's disk_mb held by watching it (no Engine quota)
         self._docker = None
         self._container: DockerContainer | None = None
         self._closed = False
@@ -152,7 +154,7 @@ class DockerSandbox:
             if item.startswith("PATH="):
                 self._path_env = item[5:]
         try:
-            container = await self._docker.containers.create(spec, name=engine.container_name(self.name))
+            container = await self._create_container(spec)
             self._container, self.container_id = container, container.id
             # the tether: the main process's stdin; it closes with this client, or with the worker's death
             await self._tether.enter_async_context(container.attach(stdin=True, stdout=False, stderr=False))
@@ -164,6 +166,26 @@ class DockerSandbox:
                                             f"{self.uid}:{self.gid}"], user="0:0")
             if code != 0:
                 raise SandboxError(f"docker: cannot hand {self.work} to the agent user (exit {code}: {err[-300:]!r})")
+
+    async def _create_container(self, spec: dict[str, Any]) -> DockerContainer:
+        """Create the container; a writable root gets the Engine's disk quota where the Engine has one, else
+        it is watched while the agent's commands run (`docker_storage`)."""
+        assert self._docker is not None
+        url, disk_mb = engine.docker_url(self.options), self.limits.disk_mb
+        if not (self.options.get("image_root") and disk_mb):
+            return await self._docker.containers.create(spec, name=engine.container_name(self.name))
+        if storage.wants_quota(url):
+            try:
+                container = await self._docker.containers.create(storage.with_quota(spec, disk_mb),
+                                                                 name=engine.container_name(self.name))
+                storage.remember(url, True)
+                return container
+            except DockerError as exc:
+                if not storage.is_quota_refusal(exc):
+                    raise
+                storage.remember(url, False)
+        self.storage_watched = True
+        return await self._docker.containers.create(spec, name=engine.container_name(self.name))
 
     async def exec_root(self, argv: list[str], *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         """A command as root in the container, never the agent's (Harbor's verifier: it empties /tests and
@@ -279,10 +301,16 @@ class DockerSandbox:
             run = await self._exec_create(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv],
                                           user=self.user, workdir=workdir)
             async with run.start(detach=False) as stream:
+                pump = asyncio.ensure_future(_pump(stream, out, err))
                 try:
-                    await asyncio.wait_for(_pump(stream, out, err), timeout_s)
-                except TimeoutError:
+                    size = self._writable_bytes if self.storage_watched else None
+                    stopped_by = await storage.watch(pump, timeout_s, size, self.limits.disk_mb)
+                finally:
+                    pump.cancel()
+                if stopped_by:
                     extra["killed"] = await self.kill_agent_processes()
+                if stopped_by == "disk_mb":
+                    extra["stopped_by"] = stopped_by
             code = 137 if extra else await self._exit_code(run)
         except engine.ENGINE_ERRORS as exc:
             await self._sweep()
@@ -294,9 +322,15 @@ class DockerSandbox:
             await self._sweep()  # what the command left behind dies with it, as on the local backend
         if self._stopped:
             extra["container_stopped"] = True
-        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out="killed" in extra,
+        note = f"\n[sandbox: stopped, its writable root passed disk_mb={self.limits.disk_mb}]" \
+            if extra.get("stopped_by") == "disk_mb" else ""
+        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text() + note,
+                          timed_out="killed" in extra and "stopped_by" not in extra,
                           duration_s=round(time.monotonic() - started, 3), output_bytes=out.total + err.total,
                           truncated=out.total > len(out.data) or err.total > len(err.data), extra=extra)
+
+    async def _writable_bytes(self) -> int:
+        return await storage.writable_bytes(self._live())
 
     async def _sweep(self) -> None:
         with contextlib.suppress(Exception):
