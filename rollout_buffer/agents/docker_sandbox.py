@@ -168,24 +168,14 @@ class DockerSandbox:
                 raise SandboxError(f"docker: cannot hand {self.work} to the agent user (exit {code}: {err[-300:]!r})")
 
     async def _create_container(self, spec: dict[str, Any]) -> DockerContainer:
-        """Create the container; a writable root gets the Engine's disk quota where the Engine has one, else
-        it is watched while the agent's commands run (`docker_storage`)."""
+        """Create the container; a writable root gets a disk bound (`docker_storage.create`)."""
         assert self._docker is not None
-        url, disk_mb = engine.docker_url(self.options), self.limits.disk_mb
-        if not (self.options.get("image_root") and disk_mb):
-            return await self._docker.containers.create(spec, name=engine.container_name(self.name))
-        if storage.wants_quota(url):
-            try:
-                container = await self._docker.containers.create(storage.with_quota(spec, disk_mb),
-                                                                 name=engine.container_name(self.name))
-                storage.remember(url, True)
-                return container
-            except DockerError as exc:
-                if not storage.is_quota_refusal(exc):
-                    raise
-                storage.remember(url, False)
-        self.storage_watched = True
-        return await self._docker.containers.create(spec, name=engine.container_name(self.name))
+        name = engine.container_name(self.name)
+        if not (self.options.get("image_root") and self.limits.disk_mb):
+            return await self._docker.containers.create(spec, name=name)
+        container, self.storage_watched = await storage.create(self._docker, spec, name, self.limits.disk_mb,
+                                                               engine.docker_url(self.options))
+        return container
 
     async def exec_root(self, argv: list[str], *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         """A command as root in the container, never the agent's (Harbor's verifier: it empties /tests and
@@ -399,7 +389,7 @@ class DockerSandbox:
             with contextlib.suppress(Exception):
                 await self._tether.aclose()
             if self._container is not None and self._docker is not None:
-                await _remove(self._docker, self._container)
+                await engine.remove_container(self._docker, self._container)
         finally:
             if self._docker is not None:
                 await self._docker.close()
@@ -408,20 +398,3 @@ class DockerSandbox:
 async def _pump(stream: Any, out: _Tail, err: _Tail) -> None:
     while (message := await stream.read_out()) is not None:
         (err if message.stream == 2 else out).add(message.data)
-
-
-async def _remove(docker: Any, container: DockerContainer) -> None:
-    """Force-remove and wait until the Engine no longer knows the container (its AutoRemove may race)."""
-    with contextlib.suppress(DockerError):
-        await container.delete(force=True)
-    for _ in range(100):
-        try:
-            await docker.containers.get(container.id)
-        except DockerError as exc:
-            if exc.status == 404:
-                return
-            raise engine.engine_error("remove the container", exc) from exc
-        except engine.ENGINE_ERRORS as exc:
-            raise engine.engine_error("remove the container", exc) from exc
-        await asyncio.sleep(0.05)
-    raise SandboxError(f"docker: container {container.id[:12]} is still there after its removal")

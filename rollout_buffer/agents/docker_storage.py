@@ -17,13 +17,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiodocker.exceptions import DockerError
+
 CHECK_S = 2.0
 _supported: dict[str, bool] = {}  # Engine URL -> whether it takes StorageOpt size
-
-
-def wants_quota(url: str) -> bool:
-    """Whether a container on this Engine should ask for the quota (not known to be refused)."""
-    return _supported.get(url, True)
 
 
 def with_quota(spec: dict[str, Any], disk_mb: int) -> dict[str, Any]:
@@ -37,8 +34,18 @@ def is_quota_refusal(exc: Exception) -> bool:
     return "storage-opt" in text or "storageopt" in text or "storage opt" in text or "quota" in text
 
 
-def remember(url: str, supported: bool) -> None:
-    _supported[url] = supported
+async def create(docker: Any, spec: dict[str, Any], name: str, disk_mb: int, url: str) -> tuple[Any, bool]:
+    """Create a container with a writable root: (the container, whether it must be watched: no quota)."""
+    if _supported.get(url, True):
+        try:
+            container = await docker.containers.create(with_quota(spec, disk_mb), name=name)
+            _supported[url] = True
+            return container, False
+        except DockerError as exc:
+            if not is_quota_refusal(exc):
+                raise
+            _supported[url] = False
+    return await docker.containers.create(spec, name=name), True
 
 
 async def writable_bytes(container: Any) -> int:
