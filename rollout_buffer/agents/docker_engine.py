@@ -12,6 +12,8 @@ sandbox container (`rollout-buffer.sandbox=1`), its owner, the worker life and i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -174,3 +176,20 @@ async def remove_stale_containers(owner: str | None = None, options: dict[str, A
     finally:
         await docker.close()
     return removed
+
+
+async def remove_container(docker: Any, container: Any) -> None:
+    """Force-remove and wait until the Engine no longer knows the container (its AutoRemove may race)."""
+    with contextlib.suppress(DockerError):
+        await container.delete(force=True)
+    for _ in range(100):
+        try:
+            await docker.containers.get(container.id)
+        except DockerError as exc:
+            if exc.status == 404:
+                return
+            raise engine_error("remove the container", exc) from exc
+        except ENGINE_ERRORS as exc:
+            raise engine_error("remove the container", exc) from exc
+        await asyncio.sleep(0.05)
+    raise SandboxError(f"docker: container {container.id[:12]} is still there after its removal")

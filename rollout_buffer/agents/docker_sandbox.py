@@ -35,6 +35,7 @@ from aiodocker.exceptions import DockerError
 from aiodocker.execs import Exec
 
 from rollout_buffer.agents import docker_engine as engine
+from rollout_buffer.agents import docker_storage as storage
 from rollout_buffer.agents.docker_engine import image_exists, remove_stale_containers
 from rollout_buffer.agents.local import _Tail
 from rollout_buffer.agents.sandbox import MODEL_PORT, ExecResult, Limits, SandboxError
@@ -106,6 +107,7 @@ class DockerSandbox:
         self.model_url: str | None = None
         self.container_id: str | None = None
         self._path_env = DEFAULT_PATH
+        self.storage_watched = False  # the writable root's disk_mb held by watching it (no Engine quota)
         self._docker = None
         self._container: DockerContainer | None = None
         self._closed = False
@@ -152,7 +154,7 @@ class DockerSandbox:
             if item.startswith("PATH="):
                 self._path_env = item[5:]
         try:
-            container = await self._docker.containers.create(spec, name=engine.container_name(self.name))
+            container = await self._create_container(spec)
             self._container, self.container_id = container, container.id
             # the tether: the main process's stdin; it closes with this client, or with the worker's death
             await self._tether.enter_async_context(container.attach(stdin=True, stdout=False, stderr=False))
@@ -164,6 +166,16 @@ class DockerSandbox:
                                             f"{self.uid}:{self.gid}"], user="0:0")
             if code != 0:
                 raise SandboxError(f"docker: cannot hand {self.work} to the agent user (exit {code}: {err[-300:]!r})")
+
+    async def _create_container(self, spec: dict[str, Any]) -> DockerContainer:
+        """Create the container; a writable root gets a disk bound (`docker_storage.create`)."""
+        assert self._docker is not None
+        name = engine.container_name(self.name)
+        if not (self.options.get("image_root") and self.limits.disk_mb):
+            return await self._docker.containers.create(spec, name=name)
+        container, self.storage_watched = await storage.create(self._docker, spec, name, self.limits.disk_mb,
+                                                               engine.docker_url(self.options))
+        return container
 
     async def exec_root(self, argv: list[str], *, timeout_s: float, stdin: bytes | None = None) -> ExecResult:
         """A command as root in the container, never the agent's (Harbor's verifier: it empties /tests and
@@ -279,10 +291,16 @@ class DockerSandbox:
             run = await self._exec_create(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv],
                                           user=self.user, workdir=workdir)
             async with run.start(detach=False) as stream:
+                pump = asyncio.ensure_future(_pump(stream, out, err))
                 try:
-                    await asyncio.wait_for(_pump(stream, out, err), timeout_s)
-                except TimeoutError:
+                    size = self._writable_bytes if self.storage_watched else None
+                    stopped_by = await storage.watch(pump, timeout_s, size, self.limits.disk_mb)
+                finally:
+                    pump.cancel()
+                if stopped_by:
                     extra["killed"] = await self.kill_agent_processes()
+                if stopped_by == "disk_mb":
+                    extra["stopped_by"] = stopped_by
             code = 137 if extra else await self._exit_code(run)
         except engine.ENGINE_ERRORS as exc:
             await self._sweep()
@@ -294,9 +312,15 @@ class DockerSandbox:
             await self._sweep()  # what the command left behind dies with it, as on the local backend
         if self._stopped:
             extra["container_stopped"] = True
-        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out="killed" in extra,
+        note = f"\n[sandbox: stopped, its writable root passed disk_mb={self.limits.disk_mb}]" \
+            if extra.get("stopped_by") == "disk_mb" else ""
+        return ExecResult(exit_code=code, stdout=out.text(), stderr=err.text() + note,
+                          timed_out="killed" in extra and "stopped_by" not in extra,
                           duration_s=round(time.monotonic() - started, 3), output_bytes=out.total + err.total,
                           truncated=out.total > len(out.data) or err.total > len(err.data), extra=extra)
+
+    async def _writable_bytes(self) -> int:
+        return await storage.writable_bytes(self._live())
 
     async def _sweep(self) -> None:
         with contextlib.suppress(Exception):
@@ -365,7 +389,7 @@ class DockerSandbox:
             with contextlib.suppress(Exception):
                 await self._tether.aclose()
             if self._container is not None and self._docker is not None:
-                await _remove(self._docker, self._container)
+                await engine.remove_container(self._docker, self._container)
         finally:
             if self._docker is not None:
                 await self._docker.close()
@@ -374,20 +398,3 @@ class DockerSandbox:
 async def _pump(stream: Any, out: _Tail, err: _Tail) -> None:
     while (message := await stream.read_out()) is not None:
         (err if message.stream == 2 else out).add(message.data)
-
-
-async def _remove(docker: Any, container: DockerContainer) -> None:
-    """Force-remove and wait until the Engine no longer knows the container (its AutoRemove may race)."""
-    with contextlib.suppress(DockerError):
-        await container.delete(force=True)
-    for _ in range(100):
-        try:
-            await docker.containers.get(container.id)
-        except DockerError as exc:
-            if exc.status == 404:
-                return
-            raise engine.engine_error("remove the container", exc) from exc
-        except engine.ENGINE_ERRORS as exc:
-            raise engine.engine_error("remove the container", exc) from exc
-        await asyncio.sleep(0.05)
-    raise SandboxError(f"docker: container {container.id[:12]} is still there after its removal")

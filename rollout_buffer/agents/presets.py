@@ -42,7 +42,8 @@ PRESETS: dict[str, dict[str, Any]] = {
               "files": {"~/.codex/config.toml": _CODEX_TOML}},
     "mini-swe-agent": {"command": "mini -y --exit-immediately -l 0 -t {prompt}", "api": "openai",
                        "env": {"MSWEA_MODEL_NAME": "openai/policy", "MSWEA_CONFIGURED": "true",
-                               "MSWEA_COST_TRACKING": "ignore_errors"}},
+                               "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
+                               "LITELLM_LOCAL_MODEL_COST_MAP": "True"}},
     "opencode": {"command": "opencode run {prompt}", "api": "openai", "env": {"OPENCODE_DISABLE_AUTOUPDATE": "1"}},
 }
 

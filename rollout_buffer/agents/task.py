@@ -6,7 +6,8 @@ config) and the line's files, run the setup, run the agent command with the sess
 verifier, clean the sandbox up (always, also on cancel and at the runtime's deadline). The record carries
 the reward, and in `extra_info["agent"]` the agent's exit status, duration and bounded stdout/stderr tails.
 Failures are records with `status="failed"` and an `error_type`, counted per type in `GET /runs/{id}` and
-`/metrics` like any task's: `agent_timeout`, `agent_exit` (non-zero exit), `setup_failed`,
+`/metrics` like any task's: `agent_timeout`, `agent_exit` (non-zero exit), `disk_limit` (the
+agent's files passed the sandbox's `disk_mb`, a Harbor task's `storage_mb`: it was stopped), `setup_failed`,
 `verifier_error`. A Harbor task (a sample with `harbor`, read from a task folder) runs in its own image with
 its own limits and its tests/test.sh as the verifier (`rollout_buffer.agents.harbor`). An infrastructure
 failure (`SandboxError`: the sandbox could not be made or a command could not be started) is retried once
@@ -182,6 +183,10 @@ async def _run(sample: dict[str, Any], ctx: RolloutContext, config: AgentConfig,
             agent = AgentResult(exit_code=run.exit_code, stdout=run.stdout, stderr=run.stderr, timed_out=run.timed_out,
                                 duration_s=run.duration_s, final_text=final_text(run.stdout), extra=run.extra)
             info["agent"] = _agent_info(agent, run.output_bytes, config.output_tail_chars)
+            if agent.extra.get("stopped_by") == "disk_mb":
+                limit = "storage_mb" if sample.get("harbor") else "disk_mb"
+                raise StepFailed("disk_limit", f"the agent wrote past its {limit}={config.limits.disk_mb} MB and "
+                                               f"was stopped{_tails(agent)}")
             if agent.timed_out:
                 killed = ("killed with its process tree" if agent.extra.get("killed", True) else
                           "stopped, but its process tree could not be shown to be gone (guard lost)")

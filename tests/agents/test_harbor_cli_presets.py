@@ -1,6 +1,7 @@
-"""Claude Code and Codex CLI, unmodified, on Harbor tasks through their presets and the docker backend: the CLI
-mounted read-only from its host install folder (Node.js from the test image), its model the rollout's own
-session (the test engine answers its shell tool with a call, then the answer). Every request it made is a
+"""Claude Code, Codex CLI and OpenCode, unmodified, on Harbor tasks through their presets and the docker backend:
+the CLI mounted read-only from its host install folder (Node.js from the test image; OpenCode's is a native
+binary, its OpenAI-compatible provider built in), its model the rollout's own session (the test engine answers
+its shell tool with a call, then the answer). Every request it made is a
 token-exact turn of its record, and the reward is what the task's tests/test.sh wrote after it (the test reads
 the shell output the CLI's own transcript kept in the container's home)."""
 
@@ -18,6 +19,7 @@ from tests.support.codex_cli import install_codex
 from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
 from tests.support.gateway import assert_turns_are_engine_calls, engine_calls_of
 from tests.support.helpers import ServerProcess, ServerSpec
+from tests.support.opencode_cli import install_opencode
 from tests.support.runtime_helpers import drain, wait_status
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,13 +41,18 @@ def _dataset(root: Path, image: str, transcripts: str) -> Path:
     return root
 
 
-@pytest.mark.parametrize("preset", ["claude-code", "codex"])
+INSTALLS = {"claude-code": install_claude_code, "codex": install_codex, "opencode": install_opencode}
+TRANSCRIPTS = {"claude-code": "/home/agent/.claude/projects", "codex": "/home/agent/.codex/sessions",
+               "opencode": "/home/agent/.local/share/opencode"}
+
+
+@pytest.mark.parametrize("preset", sorted(INSTALLS))
 def test_cli_preset_solves_harbor_tasks(server: ServerProcess, client: httpx.Client, tmp_path: Path,
                                         docker_env: DockerEnv, rollout_engine: Any,  # noqa: F811
                                         qwen_tokenizer_path: str, preset: str) -> None:
-    binary = install_claude_code() if preset == "claude-code" else install_codex()
+    binary = INSTALLS[preset]()
     install = readable_by_any_uid(binary.parents[2])  # <install>/node_modules/.bin/<cli>
-    transcripts = "/home/agent/.claude/projects" if preset == "claude-code" else "/home/agent/.codex/sessions"
+    transcripts = TRANSCRIPTS[preset]
     dataset = _dataset(tmp_path / "tasks", docker_env.image, transcripts)
     answer = client.post("/start_rollout", json={
         "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": 1, "num_process": 4,

@@ -3,7 +3,7 @@ verifier in place.
 
 The task's `[agent] timeout_sec` is the agent's budget unless the run sets `agent.timeout_s`; `cpus` and
 `memory_mb` are the container's CPU and memory limits, `storage_mb` bounds each of its writable tmpfs folders
-(home, /tmp, /dev/shm); the image's own root is writable and its working folder (`WORKDIR`, Harbor's `/app`
+(home, /tmp, /dev/shm) and its writable root (`docker_storage`); the image's own root is writable and its working folder (`WORKDIR`, Harbor's `/app`
 by default) is the agent's. Harbor tasks need the docker backend: the verifier runs as root in the agent's
 container.
 """

@@ -2,8 +2,9 @@
 
 It finds the last arithmetic question of the last user turn, calls the calculator tool when the prompt
 offers one (also as `<namespace>.calculator`; else a `Bash` tool, Claude Code's shell, `exec_command`,
-Codex's, or `bash`, mini-swe-agent's, with `echo $(( expr ))`), answers in `\\boxed{}` from a tool result
-when one came back (to mini-swe-agent with its submit command, the only way it ends), and otherwise
+Codex's, or `bash`, mini-swe-agent's or OpenCode's, with `echo $(( expr ))`), answers in `\\boxed{}` from a
+tool result when one came back (to mini-swe-agent with its submit command, the only way it ends; OpenCode's
+`bash` comes with file tools, mini-swe-agent's alone), and otherwise
 answers directly, right with probability `p_correct`. Plain text in, plain text out: the
 token-level policy (noise tokens, think blocks, logprobs) wraps it.
 """
@@ -30,7 +31,8 @@ _TOOL_RESULT_RES = (
 _CALCULATOR_RE = re.compile(r'"name"\s*:\s*"((?:[\w-]+\.)?calculator)"')  # maybe in a namespace (`math.calculator`)
 _BASH_RE = re.compile(r'"name"\s*:\s*"Bash"')  # Claude Code's shell tool
 _EXEC_RE = re.compile(r'"name"\s*:\s*"exec_command"')  # Codex CLI's shell tool
-_MINI_RE = re.compile(r'"name"\s*:\s*"bash"')  # mini-swe-agent's shell tool
+_MINI_RE = re.compile(r'"name"\s*:\s*"bash"')  # mini-swe-agent's shell tool (its only one), or OpenCode's
+_FILE_TOOLS_RE = re.compile(r'"name"\s*:\s*"(?:read|edit|write|glob|grep)"')  # OpenCode's others: not mini
 MINI_SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 _EXPR_RE = re.compile(r"[\d(][\d\s.+\-*/()]*[\d)]")
 _HAS_OP_RE = re.compile(r"\d\s*\)*\s*[-+*/]\s*\(*\s*\d")
@@ -114,7 +116,7 @@ def default_responder(prompt_text: str, rng: random.Random, p_correct: float = 0
             value = float(results[-1])
         except ValueError:
             pass
-        if _MINI_RE.search(prompt_text):  # mini-swe-agent ends on its submit command's output
+        if _is_mini(prompt_text):  # mini-swe-agent ends on its submit command's output
             command = f"echo {MINI_SUBMIT} && echo {format_number(value)}"
             return _call("bash", {"command": command})
         return f"The answer is \\boxed{{{format_number(value)}}}"
@@ -128,11 +130,17 @@ def default_responder(prompt_text: str, rng: random.Random, p_correct: float = 0
     if _EXEC_RE.search(prompt_text):  # Codex CLI: compute it in its shell
         call = {"name": "exec_command", "arguments": {"cmd": f"echo $(( {expr} ))"}}
         return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
-    if _MINI_RE.search(prompt_text):
-        return _call("bash", {"command": f"echo $(( {expr} ))"})
+    if _MINI_RE.search(prompt_text):  # mini-swe-agent's, or OpenCode's (which wants a description)
+        extra = {} if _is_mini(prompt_text) else {"description": "Compute the value"}
+        return _call("bash", {"command": f"echo $(( {expr} ))", **extra})
     if rng.random() >= p_correct:
         value = value + rng.choice([-3, -2, -1, 1, 2, 3, 10])
     return f"The answer is \\boxed{{{format_number(value)}}}"
+
+
+def _is_mini(prompt_text: str) -> bool:
+    """mini-swe-agent offers a `bash` tool and nothing else; OpenCode's `bash` comes with file tools."""
+    return bool(_MINI_RE.search(prompt_text)) and not _FILE_TOOLS_RE.search(prompt_text)
 
 
 def _call(name: str, arguments: dict[str, Any]) -> str:
