@@ -6,8 +6,9 @@ which the adapter cuts into its own piece (`fork_policy`). `messages` are the co
 turn in OpenAI format, `tools` its tools. A turn that starts over from an earlier one (a fork, a rewind) is
 stored as a reference to what it shares with that turn plus what it adds (`turn_sources`,
 `wire.shared_prefix`), as the live session stores it; every read gives its whole prompt back. The uid is the
-session id, so finishing twice (a retried finish, or the idle reaper racing a client) stores one record. `non_generation_time` (slime's) is the agent's time
-between turns: from its first request to its last answer, the time no turn of it was being answered.
+session id, so finishing twice (a retried finish, or the idle reaper racing a client) stores one record.
+`non_generation_time` (slime's) is the agent's time between turns: from its first request to its last answer,
+the time no turn of it was being answered.
 """
 
 from __future__ import annotations
