@@ -152,10 +152,11 @@ def expand(blob: bytes) -> bytes:
     out: list[bytes | memoryview] = [MAGIC, _LEN.pack(head_len), head]
     for i, meta in enumerate(metas):
         source, tokens = shares.get(i, (-1, 0))
-        if not isinstance(meta, dict) or (tokens and (meta.get("ext") or tokens > int(meta.get("p", 0)))):
+        prompt_ids = meta.get("p") if isinstance(meta, dict) else None
+        if type(prompt_ids) is not int or (tokens and (meta.get("ext") or tokens > prompt_ids)):
             raise PackingError(f"shared record: turn {i} cannot take a share of {tokens} ids")
         prefix = _take(saved[source], 4 * tokens) if tokens else []
-        prompt_end, end = _turn_end(meta, at, int(meta["p"]) - tokens)
+        prompt_end, end = _turn_end(meta, at, prompt_ids - tokens)
         if end > len(blob):
             raise PackingError(f"shared record: turn {i} runs past the end")
         tail = view[at:prompt_end]

@@ -1,6 +1,7 @@
 """What a fork stores is what it adds: a session whose client edits its history keeps one copy of the shared
-prefix, and everything read back (answers, the finished record by JSON and packed reads, the adapter's
-samples) is byte for byte what it was when every fork stored its whole prompt."""
+prefix, live and once finished (its record in Redis), its byte cap counts what is stored, and everything read
+back (answers, the finished record by JSON and packed reads, the adapter's samples) is byte for byte what it
+was when every fork stored its whole prompt."""
 
 from __future__ import annotations
 

@@ -151,6 +151,7 @@ def test_a_broken_shared_blob_is_refused() -> None:
         "a turn twice": _with_table(blob, [shares[0], shares[0]]),
         "a share on an extending turn": _with_table(blob, [*shares, [4, 1, 20]]),
         "short header": SHARED_MAGIC + b"\1",
+        "no turns": pack_shared({**record, "turns": None}, []).replace(b"RB1", SHARED_MAGIC, 1),
     }
     for what, broken in cases.items():
         with pytest.raises(PackingError):
