@@ -15,7 +15,8 @@ write order) of group `gid` is the field `"{gid}|{k}"` of the members hash (unam
     rb:run_events               stream run ids launched or stopped, so workers anywhere notice (XREAD BLOCK)
     rb:{R}:meta                 hash   status, created_at, group_size, num_epoch, task_type, superseded_by, ...
                                        (a deleted run's tombstone: status deleted, superseded_by; see retention)
-    rb:{R}:records              hash   uid -> packed record (see rollout_buffer.wire.packing), until handed over
+    rb:{R}:records              hash   uid -> packed record (wire.packing; forks sharing a prefix: wire.shared_prefix),
+                                       until handed over
     rb:{R}:uids                 set    every uid ever stored in the run (idempotency for the run's life)
     rb:{R}:gsize                hash   gid -> members written so far
     rb:{R}:members              hash   "{gid}|{k}" -> uid of the group's k-th member

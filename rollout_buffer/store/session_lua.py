@@ -43,7 +43,7 @@ return {1, epoch}
 
 # KEYS: 1 meta 2 stats 3 session_nodes 4 session_index 5 session_open
 # ARGV: 1 session id 2 the index the turn was packed with 3 the packed turn 4 its history field ("{sid}|p|..")
-#       5 its request field ("{sid}|r|..") 6 now 7 the bytes of its ids and logprobs 8 '1' for a fork, then
+#       5 its request field ("{sid}|r|..") 6 now 7 the packed turn's bytes 8 '1' for a fork, then
 #       (counter, amount) pairs added to the run's stats. 7 and 8 go to the session's usage counts (the index's
 #       "{sid}|c|bytes" and "{sid}|c|forks" fields, `sessions.usage_fields`), which its caps are checked against.
 # Numbers and stores a turn in one step, so no failure can leave a number without its turn (a gap the next

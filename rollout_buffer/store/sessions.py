@@ -231,13 +231,13 @@ class SessionStore:
     async def put_turn(self, run_id: str, session_id: str, node: Node, *, history: bytes, request: bytes,
                        stats: dict[str, int]) -> tuple[str, int]:
         """Number and store turn `node` in one script (`session_lua.PUT_TURN`), index it by the history through
-        its answer and by its request, add its ids' bytes (and a fork) to the session's usage counts, and add
+        its answer and by its request, add its stored bytes (and a fork) to the session's usage counts, and add
         `stats` to the run's counters. Returns ("stored", index),
         ("duplicate", index of the turn stored for this request) or ("renumber", the number to pack it with:
         another turn took `node.index` first; nothing was stored). Waits for the replicas only after a store."""
-        stored = node.prompt_ids.nbytes + node.output_ids.nbytes + node.output_logprobs.nbytes
-        args = [session_id, node.index, node.pack(), f"{session_id}|p|{history.hex()}",
-                f"{session_id}|r|{request.hex()}", time.time(), int(stored), 1 if node.fork_reason else 0,
+        packed = node.pack()  # what Redis holds of the turn: a fork's own tokens and messages, not what it shares
+        args = [session_id, node.index, packed, f"{session_id}|p|{history.hex()}",
+                f"{session_id}|r|{request.hex()}", time.time(), len(packed), 1 if node.fork_reason else 0,
                 *(x for name, amount in stats.items() if amount for x in (name, amount))]
         outcome, index = await self._put(
             keys=[keys.run_meta(run_id), keys.stats(run_id), keys.session_nodes(run_id), keys.session_index(run_id),

@@ -19,6 +19,7 @@ from rollout_buffer.store.lua import GROUP_FUNCTIONS
 from rollout_buffer.store.redis_client import RedisClient, check_mode, connect, send_once
 from rollout_buffer.store.replication import wait_for_replicas
 from rollout_buffer.wire.packing import pack_record
+from rollout_buffer.wire.shared_prefix import pack_shared
 from rollout_buffer.wire.versions import record_version
 
 # Run statuses after which nothing more is generated for a run.
@@ -204,10 +205,13 @@ class Store:
 
     # ----- writes -----------------------------------------------------------------------------
 
-    def _write_call(self, run_id: str, record: dict[str, Any], blob: bytes | None = None) -> ScriptCall:
-        """One WRITE_RECORD call; `blob` is the record already packed, if it is."""
+    def _write_call(self, run_id: str, record: dict[str, Any], blob: bytes | None = None,
+                    sources: list[int | None] | None = None) -> ScriptCall:
+        """One WRITE_RECORD call; `blob` is the record already packed, if it is; `sources`: per turn, the
+        earlier turn its prompt may start from (stored once: `shared_prefix.pack_shared`)."""
         if blob is None:
-            blob = pack_record({**record, "run_id": run_id})
+            stamped = {**record, "run_id": run_id}
+            blob = pack_record(stamped) if sources is None else pack_shared(stamped, sources)
         epoch = record.get("epoch")
         write_keys = self._write_keys.get(run_id)
         if write_keys is None:  # the same 15 keys for every write of a run: built once per run
@@ -235,11 +239,12 @@ class Store:
             return WriteOutcome(outcome, reason=detail)
         return WriteOutcome(outcome, group=detail)
 
-    async def write_record(self, run_id: str, record: dict[str, Any]) -> WriteOutcome:
+    async def write_record(self, run_id: str, record: dict[str, Any], *,
+                           sources: list[int | None] | None = None) -> WriteOutcome:
         """Store one validated record (idempotent by uid for the run's life); completes its group
         atomically. Concurrent writes (API requests, rollouts of a worker) share pipelines:
-        `rollout_buffer.store.batching`."""
-        outcome = self._outcome(await self._writes.submit(self._write_call(run_id, record)))
+        `rollout_buffer.store.batching`. `sources`: see `_write_call` (a gateway session's forks)."""
+        outcome = self._outcome(await self._writes.submit(self._write_call(run_id, record, sources=sources)))
         await self.replicated(run_id)
         return outcome
 

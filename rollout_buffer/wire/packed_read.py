@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer.wire.packing import PackingError, header_bytes, pack_record, unpack_record_arrays
+from rollout_buffer.wire.shared_prefix import expand
 
 CONTENT_TYPE = "application/x-rollout-buffer-packed"
 JSON_TYPE = "application/json"
@@ -48,7 +49,9 @@ class StoredArrays:
 
 def stored_record(blob: bytes) -> tuple[dict[str, Any], StoredArrays]:
     """A stored blob as a record with array turns (`packing.unpack_record_arrays`), and what it takes to
-    re-stamp it (`record_parts`)."""
+    re-stamp it (`record_parts`). A record stored with shared prefixes (`shared_prefix`) is expanded first:
+    what goes out is the packed form every reader knows."""
+    blob = expand(blob)
     record, meta, offset = unpack_record_arrays(blob)
     turns = record.get("turns")
     given = tuple(tuple(turn.values()) for turn in turns) if turns is not None else ()

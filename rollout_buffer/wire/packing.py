@@ -151,7 +151,7 @@ def _pack_replay(meta: dict[str, Any], experts: Any, experts_start: Any, top_p_i
     return chunks
 
 
-def _replay_size(meta: dict[str, Any], outputs: int) -> int:
+def replay_size(meta: dict[str, Any], outputs: int) -> int:
     """Bytes of a turn's replay arrays."""
     size = 4 * int(meta.get("re", 0))
     if "tp" in meta:
@@ -227,7 +227,7 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
         _check_spans(i, meta.get("vs"), o)
         _check_replay_meta(i, meta)
         end = offset + 4 * (p + o) + width * o
-        if end + _replay_size(meta, o) > len(blob):
+        if end + replay_size(meta, o) > len(blob):
             raise PackingError(f"turn {i}: arrays run past the end of the record")
         ids = np.frombuffer(view[offset : offset + 4 * (p + o)], dtype="<i4")
         if ids.size and int(ids.min()) < 0:
@@ -239,13 +239,13 @@ def check_arrays(blob: bytes, header: dict[str, Any], offset: int) -> None:
         offset = end
         if "tp" in meta:
             offsets = np.frombuffer(view[offset + 4 * (meta.get("re", 0) + meta["tp"]):
-                                         offset + _replay_size(meta, o)], dtype="<i4")
+                                         offset + replay_size(meta, o)], dtype="<i4")
             if int(offsets[0]) != 0 or int(offsets[-1]) != meta["tp"] or bool((np.diff(offsets) < 0).any()):
                 raise PackingError(f"turn {i}: top-p offsets must run from 0 to the id count, never decreasing")
-        replay = np.frombuffer(view[offset:offset + _replay_size(meta, o)], dtype="<i4")
+        replay = np.frombuffer(view[offset:offset + replay_size(meta, o)], dtype="<i4")
         if replay.size and int(replay.min()) < 0:
             raise PackingError(f"turn {i}: negative replay value")
-        offset += _replay_size(meta, o)
+        offset += replay_size(meta, o)
     if offset != len(blob):
         raise PackingError(f"packed record has {len(blob) - offset} trailing bytes")
 
@@ -361,7 +361,7 @@ def unpack_record_arrays(blob: bytes) -> tuple[dict[str, Any], list[dict[str, An
             raise PackingError(f"turn {i}: bad array metadata")
         end = position + 4 * (p + o) + width * o
         try:
-            replay = _replay_size(meta, o)
+            replay = replay_size(meta, o)
         except (TypeError, ValueError) as exc:
             raise PackingError(f"turn {i}: bad replay metadata ({exc})") from exc
         if end + replay > len(blob):

@@ -1,6 +1,7 @@
 """What a fork stores is what it adds: a session whose client edits its history keeps one copy of the shared
-prefix, and everything read back (answers, the finished record by JSON and packed reads, the adapter's
-samples) is byte for byte what it was when every fork stored its whole prompt."""
+prefix, live and once finished (its record in Redis), its byte cap counts what is stored, and everything read
+back (answers, the finished record by JSON and packed reads, the adapter's samples) is byte for byte what it
+was when every fork stored its whole prompt."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from tests.support.fork_script import play, read_back, stored_digest
 from tests.support.helpers import ServerSpec
 
-SERVER = ServerSpec(args=("--session-timeout-s", "120"))
+SERVER = ServerSpec(args=("--session-timeout-s", "120", "--max-session-mb", "0.2"))
 CAPTURE = Path(__file__).resolve().parent.parent / "fixtures" / "gateway_forks" / "record.json"
 
 
@@ -56,18 +57,36 @@ def _session_bytes(redis_client: Any, run_id: str) -> int:
                for key in (keys.session_nodes(run_id), keys.session_index(run_id)))
 
 
+def _usage(redis_client: Any, run_id: str, session_id: str) -> tuple[int, int]:
+    """(the session's byte count its cap is checked against, the bytes Redis holds of its turns' fields)."""
+    from rollout_buffer.store import keys
+    from rollout_buffer.store.sessions import usage_fields
+
+    counted = int(redis_client.hget(keys.session_index(run_id), usage_fields(session_id)[1]) or 0)
+    turns = int(redis_client.hget(keys.session_nodes(run_id), f"{session_id}|#") or 0)
+    held = sum(int(redis_client.hstrlen(keys.session_nodes(run_id), f"{session_id}|{i}")) for i in range(turns))
+    return counted, held
+
+
 def test_forks_store_what_they_add(client: httpx.Client, server: Any, greedy_engine: Any,
                                    qwen_tokenizer_path: str) -> None:
     """N edits of a late message of a long history: Redis grows with the tokens each fork adds, not with N
-    copies of the ~2,400-token prompt they share."""
+    copies of the ~2,400-token prompt they share: while the session is open, once it is finished (its record),
+    and in the session's byte count its `--max-session-mb` cap is checked against (0.2 MB here: counting each
+    fork's whole prompt, as before, would have refused the 21st fork)."""
     import redis
 
+    from rollout_buffer.store import keys
+    from rollout_buffer.wire import packed_read
+    from rollout_buffer.wire.packing import pack_record, unpack_record
+    from rollout_buffer.wire.shared_prefix import SHARED_MAGIC, expand
     from tests.support.fork_script import ask_once
     from tests.support.gateway import assert_turns_are_engine_calls, engine_calls_of, new_session, start_external
 
     run_id = start_external(client, greedy_engine.url, qwen_tokenizer_path, repeats=1,
                             sampling_params={"max_tokens": 32, "temperature": 0.0})
     session = new_session(client, run_id, "edits")
+    sid = session["session_id"]
     long_history = [{"role": "system", "content": "Answer in one short line, and check every sum twice. " * 200},
                     {"role": "user", "content": "What is 4 * 9?"}]
     first = ask_once(client, session, long_history)
@@ -76,14 +95,19 @@ def test_forks_store_what_they_add(client: httpx.Client, server: Any, greedy_eng
     with redis.Redis(unix_socket_path=str(socket)) as direct:
         before = _session_bytes(direct, run_id)
         prompt_tokens, added = [], []
-        forks = 24
+        forks = 32
         for k in range(forks):
             edited = [*long_history, {"role": "assistant", "content": f"My answer, edited {k} times."},
                       {"role": "user", "content": "Are you sure?"}]
-            answer = ask_once(client, session, edited)
+            answer = ask_once(client, session, edited)  # 200 each: under the session's 0.2 MB
             prompt_tokens.append(answer["usage"]["prompt_tokens"])
             added.append(answer["usage"]["completion_tokens"])
         grown = _session_bytes(direct, run_id) - before
+        counted, held = _usage(direct, run_id, sid)
+        finished = client.post(f"/sessions/{sid}/finish", json={"reward": 0.5},
+                               headers={"Authorization": f"Bearer {session['api_key']}"})
+        assert finished.status_code == 200, finished.text
+        raw = direct.hget(keys.records(run_id), sid)
     stats = client.get(f"/runs/{run_id}").json()["stats"]
     assert stats["gateway_forks:edited"] == forks, stats
     prompt = min(prompt_tokens)
@@ -95,11 +119,33 @@ def test_forks_store_what_they_add(client: httpx.Client, server: Any, greedy_eng
     # (its two new messages, the answer, the chain) and two index fields
     bound = 4 * 40 + 12 * max(added) + 2500
     assert per_fork < bound < copy_of_prompt / 3, (per_fork, bound, copy_of_prompt)
-    # read back whole: the forks' records are their full prompts, exactly as the engine saw them
-    finish_and_check = client.post(f"/sessions/{session['session_id']}/finish", json={"reward": 0.5},
-                                   headers={"Authorization": f"Bearer {session['api_key']}"})
-    assert finish_and_check.status_code == 200, finish_and_check.text
-    record = client.post("/get_rollout_data", json={"run_id": run_id, "wait_s": 10}).json()["data"]["data"][0]
+    # the cap counts what Redis holds of the turns, not each fork's whole prompt
+    cap = 0.2 * 1024 * 1024
+    whole_prompts = sum(4 * p + 12 * o for p, o in zip([first["usage"]["prompt_tokens"], *prompt_tokens],
+                                                        [first["usage"]["completion_tokens"], *added]))
+    assert counted == held < cap < whole_prompts, (counted, held, cap, whole_prompts)
+
+    # the finished record in Redis: one copy of the prompt, then what each fork adds
+    assert raw is not None and raw[:3] == SHARED_MAGIC
+    as_before = expand(raw)
+    assert as_before[:3] == b"RB1"
+    record_per_fork = (len(raw) - 4 * first["usage"]["prompt_tokens"] - len(long_history[0]["content"])) / forks
+    print(f"finished: {len(raw)} B stored ({len(as_before)} B as whole prompts), {record_per_fork:.0f} B per fork")
+    assert record_per_fork < 4 * 40 + 12 * max(added) + 400 < copy_of_prompt / 10, record_per_fork
+    assert len(as_before) - len(raw) > (forks - 1) * copy_of_prompt
+
+    # read back whole (packed, then the same leased batch as JSON): the forks' records are their full prompts,
+    # exactly as the engine saw them, and exactly what the whole-prompt form holds
+    body = {"run_id": run_id, "wait_s": 10, "lease_s": 60, "batch_id": "fork-bytes"}
+    packed = client.post("/get_rollout_data", json=body, headers={"Accept": packed_read.CONTENT_TYPE})
+    [from_packed] = packed_read.decode(packed.content)["data"]["data"]
+    [record] = client.post("/get_rollout_data", json=body).json()["data"]["data"]
+    client.post("/ack", json={"run_id": run_id, "batch_ids": ["fork-bytes"]}).raise_for_status()
     turns = record["turns"]
     assert [len(t["prompt_ids"]) for t in turns[1:]] == prompt_tokens
-    assert_turns_are_engine_calls(record, engine_calls_of(greedy_engine, session["session_id"]))
+    assert_turns_are_engine_calls(record, engine_calls_of(greedy_engine, sid))
+    old = unpack_record(as_before)["turns"]
+    for shown in (turns, from_packed["turns"]):
+        assert [[list(t[k]) for k in ("prompt_ids", "output_ids", "output_logprobs")] for t in shown] == \
+            [[t[k] for k in ("prompt_ids", "output_ids", "output_logprobs")] for t in old]
+    assert len(pack_record({"turns": old})) > forks * copy_of_prompt

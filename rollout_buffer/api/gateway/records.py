@@ -3,9 +3,12 @@
 `turns` are the session's turns in the order they were generated, each the engine's exact ids (plus its
 policy version); a branch the client forked shows as a turn whose prompt does not extend the turn before,
 which the adapter cuts into its own piece (`fork_policy`). `messages` are the conversation of the latest
-turn in OpenAI format, `tools` its tools. The uid is the session id, so finishing twice (a retried finish,
-or the idle reaper racing a client) stores one record. `non_generation_time` (slime's) is the agent's time
-between turns: from its first request to its last answer, the time no turn of it was being answered.
+turn in OpenAI format, `tools` its tools. A turn that starts over from an earlier one (a fork, a rewind) is
+stored as a reference to what it shares with that turn plus what it adds (`turn_sources`,
+`wire.shared_prefix`), as the live session stores it; every read gives its whole prompt back. The uid is the
+session id, so finishing twice (a retried finish, or the idle reaper racing a client) stores one record.
+`non_generation_time` (slime's) is the agent's time between turns: from its first request to its last answer,
+the time no turn of it was being answered.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ def outside_engine_time(nodes: list[Node]) -> float | None:
     return round(gaps, 4)
 
 
+def turn_sources(nodes: list[Node]) -> list[int | None]:
+    """Per turn of the record, the earlier turn its prompt most likely starts from: its parent, or the turn a
+    fork shares its prefix with (`fork_prefix`), else the turn before it (the packer measures what is shared)."""
+    position = {n.index: i for i, n in enumerate(nodes)}
+    return [position.get(n.source, i - 1) if i else None for i, n in enumerate(nodes)]
+
+
 def build_record(session: Session, nodes: list[Node], *, reward: float, status: str,
                  extra_info: dict[str, Any]) -> dict[str, Any]:
     """The record as the store packs it (turns as arrays)."""
@@ -66,7 +76,7 @@ async def finish_session(gw: Gateway, session: Session, *, reward: float, status
     """Write the session's record (idempotent by uid), then close the session."""
     nodes = await gw.sessions.all_nodes(session.run_id, session.session_id)
     record = build_record(session, nodes, reward=reward, status=status, extra_info=extra_info)
-    outcome = await gw.store.write_record(session.run_id, record)
+    outcome = await gw.store.write_record(session.run_id, record, sources=turn_sources(nodes))
     await gw.sessions.close(session.run_id, session.session_id, "failed" if status == "failed" else "finished")
     if outcome.outcome != "duplicate":
         await gw.store.incr_stat(session.run_id, counter)

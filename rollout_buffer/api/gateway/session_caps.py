@@ -5,6 +5,8 @@ start another: waiting does not help), too many open sessions is 429 with `Retry
 A session's fork and byte counts live beside its history index (`sessions.usage_fields`; exact lookups
 only), so they go with the run; its turn count is the store's own. The turn's own round trips read them
 (`SessionStore.probe`) and add to them (the turn's store script), so the caps cost no round trip of their own.
+The bytes are what Redis holds of each turn (its packed form): a fork counts what it adds, not the prompt it
+shares with an earlier turn.
 """
 
 from __future__ import annotations
