@@ -10,7 +10,7 @@ A cumulative chunk repeats the whole output so far (text, ids, logprobs), so par
 turn O(n^2): once the stream is known to be cumulative, a chunk is kept as it came and parsed only when
 it is still the latest one and the text is read (a streamed answer reads it at most every flush) or the
 stream ends. The stream is cut into lines here, not by aiohttp's `readline`, which refuses a line longer
-than its buffer's high-water mark (128 KiB: a cumulative chunk of a few thousand tokens with logprobs).
+than its buffer's high-water mark (512 KiB: a cumulative chunk of some 12,000 tokens with logprobs).
 
 A caller that is cancelled mid-stream aborts the request at the engine (`abort`) before the connection
 closes, so the engine stops generating for a client that has gone.
