@@ -12,6 +12,12 @@ it is still the latest one and the text is read (a streamed answer reads it at m
 stream ends. The stream is cut into lines here, not by aiohttp's `readline`, which refuses a line longer
 than its buffer's high-water mark (512 KiB: a cumulative chunk of some 12,000 tokens with logprobs).
 
+Reading every chunk the moment it arrives costs a wake-up of the reader per token (SGLang streams one chunk
+per token by default, `--stream-interval 1`). After each read the socket is left unread for
+`COALESCE_S` (the loop's timer resumes it), so the chunks that came meanwhile are read at once: the first
+token is read as it arrives, the later ones at most `COALESCE_S` late (the gateway's stream sends deltas
+every 50 ms anyway).
+
 A caller that is cancelled mid-stream aborts the request at the engine (`abort`) before the connection
 closes, so the engine stops generating for a client that has gone.
 """
@@ -27,6 +33,8 @@ import aiohttp
 import orjson
 
 from rollout_buffer.runtime.engine_http import EngineError, EngineTimeout, TransientEngineError
+
+COALESCE_S = 0.02  # after a read, the socket rests this long, so the chunks meanwhile come in one read
 
 
 class StreamedAnswer:
@@ -140,6 +148,8 @@ async def _read(response: aiohttp.ClientResponse, merged: StreamedAnswer,
                 on_text: Callable[[Callable[[], str]], None]) -> bool:
     """The stream's chunks into `merged`, `on_text` told of each; whether it ended with `[DONE]`."""
     pending = bytearray()  # a line not finished yet
+    connection = response.connection
+    transport = connection.transport if connection is not None else None
     async for piece in response.content.iter_any():
         pending += piece
         if b"\n" not in piece:
@@ -155,7 +165,15 @@ async def _read(response: aiohttp.ClientResponse, merged: StreamedAnswer,
                 return True
             merged.feed(data)
             on_text(merged.text_so_far)
+        if transport is not None and COALESCE_S > 0 and transport.is_reading():
+            transport.pause_reading()  # resumed by the loop's timer: no wake-up of this task for it
+            asyncio.get_running_loop().call_later(COALESCE_S, _resume, transport)
     return False
+
+
+def _resume(transport: asyncio.Transport) -> None:
+    if not transport.is_closing() and not transport.is_reading():
+        transport.resume_reading()
 
 
 async def _quietly(abort: Callable[[], Awaitable[None]]) -> None:
