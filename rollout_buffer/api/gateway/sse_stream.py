@@ -69,6 +69,8 @@ class EventStream(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await pieces.aclose()  # a stream left early runs its cleanup (a turn cancelled) now
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # a receive that failed ended the stream like a disconnect: nothing to log
             gone.cancel()
 
 
