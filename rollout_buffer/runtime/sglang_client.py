@@ -46,6 +46,7 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 # A run's sampling_params key asking the engine for MoE routing replay; sent as SGLang's top-level
 # `return_routed_experts` (top-p replay goes as SGLang reads it, `custom_params.return_top_p_token_ids`).
 RETURN_ROUTED_EXPERTS = "return_routed_experts"
+TextReader = Callable[[Callable[[], str]], None]  # told of each streamed chunk, with a reader of the text so far
 
 
 def merge_sampling(defaults: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
@@ -172,13 +173,14 @@ class GenerateClient(RolloutEngineSession):
         return ChatResult(message=message, finish_reason=turn["finish_reason"], turn=turn)
 
     async def generate_turn(self, prompt_ids: Any, params: dict[str, Any], *,
-                            on_text: Callable[[str], None] | None = None) -> tuple[dict[str, Any], str]:
+                            on_text: TextReader | None = None) -> tuple[dict[str, Any], str]:
         """One token-exact turn for prompt ids the caller rendered (the agent gateway): (turn, text).
-        With `on_text` the engine streams, and the text so far goes to it as the tokens arrive."""
+        With `on_text` the engine streams, and `on_text` hears of each chunk as it arrives, with a reader of
+        the turn's text so far (read when wanted: reading costs a parse of the latest chunk)."""
         return await self._generate(prompt_ids, params, on_text)
 
     async def _generate(self, prompt_ids: list[int], params: dict[str, Any],
-                        on_text: Callable[[str], None] | None = None) -> tuple[dict[str, Any], str]:
+                        on_text: TextReader | None = None) -> tuple[dict[str, Any], str]:
         """One turn: generate, continuing aborted pieces with the remaining budget."""
         budget = int(params["max_new_tokens"])
         output_ids: list[int] = []
@@ -201,8 +203,9 @@ class GenerateClient(RolloutEngineSession):
             started = await self.policy_version(fresh=piece > 0)
             rid_base = f"{self.rid_prefix or self.routing_key}:{len(self.turns)}:{piece}"
             before = "".join(texts)
-            ids, lps, text, finish, meta = await self._call(
-                body, rid_base, None if on_text is None else (lambda so_far, head=before: on_text(head + so_far)))
+            relay = on_text if on_text is None or not before else (
+                lambda read, head=before: on_text(lambda: head + read()))  # a continued piece: the text before it
+            ids, lps, text, finish, meta = await self._call(body, rid_base, relay)
             version = meta.get("weight_version")
             calls.append(call_meta(meta))
             try:
@@ -228,7 +231,7 @@ class GenerateClient(RolloutEngineSession):
         turn.update(replay.fields(len(output_ids)))
         return turn, "".join(texts)
 
-    async def _call(self, body: dict[str, Any], rid_base: str, on_text: Callable[[str], None] | None = None
+    async def _call(self, body: dict[str, Any], rid_base: str, on_text: TextReader | None = None
                     ) -> tuple[list[int], list[float], str, str, Any]:
         async def attempt(number: int) -> tuple[list[int], list[float], str, str, Any]:
             rid, url = f"{rid_base}:{number}", self.url

@@ -22,7 +22,8 @@ it), `rollout_buffer.store.session_turns` (one stored turn), `rollout_buffer.sec
 - `context`: what one API process keeps per run (tokenizer, engine client, parsers), and external run start;
 - `errors`: each API's error shape and the session lookup;
 - `wire_common`, `wire_openai`, `wire_anthropic`, `wire_responses`: each API's request and answer shapes;
-- `serving`: running a turn for a route and framing streams (sse-starlette);
+- `serving`: running a turn for a route, streamed or not;
+- `sse_stream`: a streamed answer's HTTP response (server-sent events, one write per flush, disconnects);
 - `routes_sessions`, `routes_openai`, `routes_anthropic`, `routes_responses`: the HTTP routes;
 - `reaper`: finishing idle sessions as failed; `app`: the routers and per-process state for the app factory.
 

@@ -1,10 +1,10 @@
 """What the three API routes share: open the session, run the turn, map failures to the API's errors,
-and frame a stream as server-sent events (sse-starlette).
+and frame a stream as server-sent events (`sse_stream`).
 
 A streamed request's stream starts with its first generated token, or after `GRACE_S` with none, and
-carries keep-alive comments every `KEEPALIVE_S` (an agent CLI waits on its stream with an idle timeout;
-a long prefill or a queue must not look like a dead server), and once the turn has started, the API's own
-keep-alive event when nothing else was sent for as long (`stream_live`); the tokens go out as they arrive
+carries a keep-alive comment whenever it was quiet for `KEEPALIVE_S` (an agent CLI waits on its stream with
+an idle timeout; a long prefill or a queue must not look like a dead server), and once the turn has started,
+the API's own keep-alive event as well (`stream_live`); the tokens go out as they arrive
 (`stream_live`), and a failure after the stream started is an error event in the API's own stream shape.
 Failures before it are sent as before (an error keeps its HTTP status: a 429's `Retry-After` is what
 clients retry on), and so is an answer ready at once (a replay).
@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any
 
-import orjson
 from fastapi import Request
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from rollout_buffer.api.gateway.constraints import NONE, Constraint
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.json_limits import arguments_problem
-from rollout_buffer.api.gateway.stream_live import KEEPALIVE_S, LiveRenderer, live_events
+from rollout_buffer.api.gateway.sse_stream import EventStream, frame
+from rollout_buffer.api.gateway.stream_live import LiveRenderer, live_events
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
 from rollout_buffer.api.gateway.watch import Start, TurnWatch
 from rollout_buffer.runtime.engine_http import EngineError, TransientEngineError
@@ -94,7 +93,7 @@ def _finished(task: asyncio.Task[TurnAnswer]) -> None:
 
 async def streamed(turn: Awaitable[TurnAnswer], render: Callable[[TurnAnswer], Iterable[Event]],
                    failed: Callable[[GatewayError], Event], request: Request, *, opened: Opened, watch: TurnWatch,
-                   live: Callable[[Start], LiveRenderer]) -> EventSourceResponse:
+                   live: Callable[[Start], LiveRenderer]) -> EventStream:
     """A streamed answer (see the module docstring); `watch` is the one `turn` reports to, `live` the API's
     renderer of a started turn. GatewayError when the turn fails before the stream starts."""
     task = asyncio.ensure_future(turn)
@@ -114,19 +113,20 @@ async def streamed(turn: Awaitable[TurnAnswer], render: Callable[[TurnAnswer], I
     _running.add(task)
     task.add_done_callback(_finished)
 
-    async def stream() -> AsyncIterator[ServerSentEvent]:
-        async for event, data in live_events(task, watch, opened, live, render, failed):
-            yield ServerSentEvent(data=data if isinstance(data, str) else orjson.dumps(data).decode(), event=event)
+    async def stream(gone: asyncio.Future[None]) -> AsyncGenerator[bytes, None]:
+        events = live_events(task, watch, opened, live, render, failed, gone)
+        try:
+            async for batch in events:
+                yield frame(batch)
+        finally:
+            await events.aclose()  # its cleanup (the turn cancelled) runs now, not when collected
 
-    return EventSourceResponse(stream(), sep="\n", ping=KEEPALIVE_S)
+    return EventStream(stream)
 
 
-def sse(events: Iterable[tuple[str | None, Any]], request: Request) -> EventSourceResponse:
-    """A finished answer framed as server-sent events: `(event name or None, data)`; data that is not a
-    string is sent as JSON."""
-    async def stream() -> AsyncIterator[ServerSentEvent]:
-        for event, data in events:
-            text = data if isinstance(data, str) else orjson.dumps(data).decode()
-            yield ServerSentEvent(data=text, event=event)
+def sse(events: Iterable[Event], request: Request) -> EventStream:
+    """A finished answer framed as server-sent events (`frame`), sent as one write."""
+    async def stream(gone: asyncio.Future[None]) -> AsyncGenerator[bytes, None]:
+        yield frame(events)
 
-    return EventSourceResponse(stream(), sep="\n", ping=15)
+    return EventStream(stream)

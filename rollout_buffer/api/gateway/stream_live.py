@@ -1,9 +1,10 @@
 """A streamed answer sent as the engine generates it: the API's opening events once the turn has started,
 then the deltas of the engine's text (`stream_text`) in the API's shape (`stream_openai`,
-`stream_anthropic`, `stream_responses`), then the finishing events of the stored turn. While the engine
-generates what cannot be sent yet (a tool call's markup, sent once it closes), a stream quiet for
-`KEEPALIVE_S` gets the API's keep-alive event (Anthropic's `ping`, Responses' `response.in_progress`): some
-clients' idle timers count events, not the SSE comments that keep a socket's reads alive.
+`stream_anthropic`, `stream_responses`), then the finishing events of the stored turn. A stream quiet for
+`KEEPALIVE_S` gets a keep-alive comment, and once the turn has started (while the engine generates what
+cannot be sent yet: a tool call's markup, sent once it closes) the API's keep-alive event as well
+(Anthropic's `ping`, Responses' `response.in_progress`): some clients' idle timers count events, not the
+SSE comments that keep a socket's reads alive.
 
 A client that goes away while its turn generates cancels it: its engine call is aborted at the engine
 (`/abort_request` with its rid), nothing is stored, and the run counts `gateway_streams_aborted`; a
@@ -16,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any, Protocol
 
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
+from rollout_buffer.api.gateway.sse_stream import COMMENT
 from rollout_buffer.api.gateway.stream_text import Delta, TextStream
 from rollout_buffer.api.gateway.turns import TurnAnswer
 from rollout_buffer.api.gateway.watch import Start, TurnWatch
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 Event = tuple[str | None, Any]
 _counting: set[asyncio.Task[None]] = set()
 FLUSH_S = 0.05  # deltas closer together go out as one: a stream's events at most every 50 ms
-KEEPALIVE_S = 5.0  # a stream with no event for this long gets the API's keep-alive event
+KEEPALIVE_S = 5.0  # a stream with no event for this long gets a keep-alive comment (and the API's event)
 
 
 class LiveRenderer(Protocol):
@@ -43,12 +45,17 @@ class LiveRenderer(Protocol):
 
 async def live_events(task: asyncio.Task[TurnAnswer], watch: TurnWatch, opened: Opened,
                       live: Callable[[Start], LiveRenderer], render: Callable[[TurnAnswer], Iterable[Event]],
-                      failed: Callable[[GatewayError], Event]) -> AsyncIterator[Event]:
-    """The stream's events; cancels the turn when the client leaves first (see the module docstring)."""
+                      failed: Callable[[GatewayError], Event], gone: asyncio.Future[None]
+                      ) -> AsyncGenerator[list[Event], None]:
+    """The stream's events, one list per flush (sent as one write); ends when the client has gone (`gone`
+    done), and cancels the turn when it leaves first (see the module docstring). The engine's text is read
+    once per flush, and only after a new chunk."""
     renderer: LiveRenderer | None = None
     text: TextStream | None = None
+    read_chunks = 0  # the engine's chunks the text was last read at
     loop = asyncio.get_running_loop()
     quiet_since = loop.time()
+    ends: set[asyncio.Future[Any]] = {task, gone}
     try:
         while True:
             watch.changed.clear()
@@ -57,37 +64,40 @@ async def live_events(task: asyncio.Task[TurnAnswer], watch: TurnWatch, opened: 
                 renderer = live(watch.start)
                 text = TextStream(opened.ctx.parser, f"call_{watch.start.index}", watch.start.call_array)
                 sent += renderer.start()
-            if renderer is not None and text is not None and watch.text:
-                sent += renderer.deltas(text.advance(watch.text))
+            if renderer is not None and text is not None and watch.chunks != read_chunks:
+                read_chunks = watch.chunks
+                so_far = watch.text
+                if so_far:
+                    sent += renderer.deltas(text.advance(so_far))
             if sent or loop.time() - quiet_since >= KEEPALIVE_S:
-                if not sent and renderer is not None:  # a tool call's markup being generated: nothing else yet
-                    sent += renderer.keepalive()
+                if not sent:  # a prefill, a queue, a tool call's markup being generated: nothing else yet
+                    sent += [(COMMENT, "keep-alive"), *(renderer.keepalive() if renderer is not None else ())]
                 quiet_since = loop.time()
-            for event in sent:
-                yield event
-            if task.done():
+            if sent:
+                yield sent
+            if task.done() or gone.done():
                 break
             if renderer is not None:
-                await asyncio.wait({task}, timeout=FLUSH_S)
-                if task.done() or watch.changed.is_set():
+                await asyncio.wait(ends, timeout=FLUSH_S, return_when=asyncio.FIRST_COMPLETED)
+                if task.done() or gone.done() or watch.changed.is_set():
                     continue
             waiter = asyncio.ensure_future(watch.changed.wait())
             try:
-                await asyncio.wait({task, waiter}, timeout=max(FLUSH_S, quiet_since + KEEPALIVE_S - loop.time()),
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({*ends, waiter}, return_when=asyncio.FIRST_COMPLETED,
+                                   timeout=max(FLUSH_S, quiet_since + KEEPALIVE_S - loop.time()))
             finally:
                 waiter.cancel()
+        if gone.done():
+            return
         try:
             answer = task.result()
         except GatewayError as exc:
-            yield failed(exc)
+            yield [failed(exc)]
             return
         if renderer is None or text is None:  # answered without generating (a replay)
-            for event in render(answer):
-                yield event
+            yield list(render(answer))
             return
-        for event in [*renderer.deltas(text.finish(answer.parsed)), *renderer.finish(answer)]:
-            yield event
+        yield [*renderer.deltas(text.finish(answer.parsed)), *renderer.finish(answer)]
     finally:
         if not task.done() and not watch.generated:
             task.cancel()

@@ -1,11 +1,13 @@
 """What a streamed turn shows while it runs: where it starts (its number, its prompt) and the engine's text
 so far. `run_turn` fills it in; the stream that forwards the tokens reads it (the latest text only: a slow
-client gets the text in bigger pieces, never a backlog)."""
+client gets the text in bigger pieces, never a backlog). Each engine chunk only marks the watch changed: the
+text is read from the engine client's reader when the stream flushes, not per chunk."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -20,7 +22,7 @@ class Start:
 class TurnWatch:
     def __init__(self) -> None:
         self.start: Start | None = None
-        self.text = ""
+        self._read: Callable[[], str] | None = None
         self.chunks = 0  # the engine's chunks so far: the first starts the client's stream, text or not
         self.generated = False  # the engine has answered: the turn is being stored, a leaving client keeps it
         self.changed = asyncio.Event()
@@ -29,7 +31,13 @@ class TurnWatch:
         self.start = start
         self.changed.set()
 
-    def on_text(self, text: str) -> None:
-        self.text = text
+    @property
+    def text(self) -> str:
+        """The engine's text so far."""
+        return "" if self._read is None else self._read()
+
+    def on_text(self, read: Callable[[], str]) -> None:
+        """One more engine chunk; `read` reads the text so far."""
+        self._read = read
         self.chunks += 1
         self.changed.set()
