@@ -70,3 +70,18 @@ if status and status ~= 'deleted' then
 end
 return {'stored', count}
 """
+
+# KEYS: 1 session_index 2 session_nodes 3 session_status 4 session_open
+# ARGV: 1 session id 2 the request's field ("{sid}|r|..") 3 the longest history's field ("{sid}|p|..", '' for
+#       none) 4 the session's turn-count field 5 now 6 its fork-count field 7 its byte-count field
+# What a turn needs to know before it runs, in one call: the turn that answered this exact request, the turn
+# whose history the request's longest history is, the session's turn count and status, and its fork and byte
+# counts; the session's idle clock is reset (`XX`: a closed session is not put back). Re-running it is
+# harmless (reads, and the same clock write).
+PROBE_TURN = """
+local found = redis.call('HMGET', KEYS[1], ARGV[2], ARGV[3])
+local usage = redis.call('HMGET', KEYS[1], ARGV[6], ARGV[7])
+redis.call('ZADD', KEYS[4], 'XX', ARGV[5], ARGV[1])
+return {found[1], found[2], redis.call('HGET', KEYS[2], ARGV[4]), redis.call('HGET', KEYS[3], ARGV[1]),
+        usage[1], usage[2]}
+"""

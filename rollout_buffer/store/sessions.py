@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer.store import acks, keys
-from rollout_buffer.store.session_lua import OPEN_SESSION, PUT_TURN
+from rollout_buffer.store.session_lua import OPEN_SESSION, PROBE_TURN, PUT_TURN
 from rollout_buffer.store.session_turns import Node, resolve
 from rollout_buffer.store.store import Store, text
 
@@ -117,6 +117,7 @@ class SessionStore:
         self.turns = NodeCache()
         self._open = store.redis.register_script(OPEN_SESSION)
         self._put = store.redis.register_script(PUT_TURN)
+        self._probe = store.redis.register_script(PROBE_TURN)
         self._facts: OrderedDict[str, Session] = OrderedDict()  # sessions' fixed facts (status not kept fresh)
 
     def known(self, session_id: str) -> Session | None:
@@ -178,15 +179,13 @@ class SessionStore:
         round trip when the longest history is a turn's (an agent going on), two otherwise. A turn answered
         from what this finds (a replay) waits for the replicas like the turn's own store did (`acks`)."""
         acks.owe(run_id)
-        fields = [f"{session_id}|r|{request.hex()}", *(f"{session_id}|p|{d.hex()}" for d in histories[:1])]
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(keys.session_index(run_id), fields)
-        pipe.hget(keys.session_nodes(run_id), _count_field(session_id))
-        pipe.hget(keys.session_status(run_id), session_id)
-        pipe.zadd(keys.session_open(run_id), {session_id: time.time()}, xx=True)  # in use: not idle while it runs
-        pipe.hmget(keys.session_index(run_id), usage_fields(session_id))
-        first, count, status, _, (forks, stored) = await pipe.execute()
-        found = [None if value is None else int(value) for value in first]
+        history = f"{session_id}|p|{histories[0].hex()}" if histories else ""
+        by_request, by_history, count, status, forks, stored = await self._probe(
+            keys=[keys.session_index(run_id), keys.session_nodes(run_id), keys.session_status(run_id),
+                  keys.session_open(run_id)],
+            args=[session_id, f"{session_id}|r|{request.hex()}", history, _count_field(session_id), time.time(),
+                  *usage_fields(session_id)])
+        found = [None if value is None else int(value) for value in (by_request, by_history)[:1 + bool(histories)]]
         if len(histories) > 1 and found[1] is None:
             found[2:] = await self.lookup(run_id, session_id, "p", histories[1:])
         return text(status) or "", found[0], found[1:], int(count or 0), (int(forks or 0), int(stored or 0))
