@@ -80,17 +80,12 @@ LONG_FILES = (
 )
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: two workers per core, at most 4 (`--maxprocesses`). Most tests wait on servers, engines,
-    CLIs and containers rather than use a core, so one worker per core leaves the cores idle."""
-    return 2 * (os.cpu_count() or 1)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The files that take longest run first (`LONG_FILES`, in that order), the rest in collection order:
-    pytest-xdist hands out whole files in this order (`--no-loadscope-reorder`), so a long file collected last
-    would keep one worker busy while the others have nothing left to run. Only the order changes."""
+    pytest-xdist hands out whole files in this order (`--dist loadfile --no-loadscope-reorder`), so a long file
+    collected last would keep one worker busy while the others have nothing left to run (xdist's default
+    order, by test count, started the one-test chaos and long-stream files last). Only the order changes."""
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: ties keep order
 
