@@ -45,6 +45,51 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("filterwarnings", f"error::{dotted}")
 
 
+# The test files that took longest in full runs (seconds of test time at load, longest first): they start first.
+LONG_FILES = (
+    "tests/api/test_fuzz_api_writes.py",  # ~220
+    "tests/chaos/test_chaos.py",  # ~190
+    "tests/adapter/test_dynamic_filter.py",  # up to ~180
+    "tests/api/test_fuzz_api.py",  # ~190
+    "tests/remote/test_remote_protocol.py",  # ~130
+    "tests/store/test_handover.py",  # ~120
+    "tests/api/test_fuzz_api_gateway.py",  # ~110
+    "tests/agents/test_agent_command_claude_code.py",  # ~100
+    "tests/security/test_auth.py",  # ~90
+    "tests/cli/test_readme_walkthrough.py",
+    "tests/api/test_gateway_durability.py",
+    "tests/runs/test_core_lifecycle.py",
+    "tests/agents/test_agent_command_runs.py",
+    "tests/runtime/test_runtime_workers.py",
+    "tests/testing/test_tokenizer_fixture.py",
+    "tests/cli/test_quiet_start.py",
+    "tests/runtime/test_sglang_router.py",
+    "tests/runtime/test_worker_processes.py",
+    "tests/agents/test_agent_command_demo.py",
+    "tests/runs/test_run_lifecycle.py",
+    "tests/api/test_core_api.py",
+    "tests/runs/test_exactly_once.py",
+    "tests/adapter/test_agent_rollout_e2e.py",
+    "tests/api/test_no_500_from_input.py",
+    "tests/store/test_replica_wait_paths.py",
+    "tests/agents/test_long_streams.py",
+    "tests/adapter/test_loss_mask.py",
+    "tests/agents/test_mini_swe_agent.py",
+    "tests/agents/test_agent_trust.py",
+    "tests/runtime/test_runtime_e2e.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files that take longest run first (`LONG_FILES`, in that order), the rest in collection order:
+    pytest-xdist hands out whole files in this order (`--dist loadfile --no-loadscope-reorder`), so a long file
+    collected last would keep one worker busy while the others have nothing left to run (xdist's default
+    order, by test count, started the one-test chaos and long-stream files last). Only the order changes."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: ties keep order
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A module whose `SERVER` names several Redis backends runs its tests once per backend."""
     spec = getattr(metafunc.module, "SERVER", None)

@@ -97,3 +97,11 @@ def test_a_run_that_leaves_a_process_behind_fails_and_leaves_nothing(tmp_path: P
     assert f"process {leaked} still running: sleep 301" in done.stdout, done.stdout
     assert "1 passed, 1 error" in done.stdout, done.stdout
     assert not alive(leaked), "the check killed what it found"
+
+
+def test_the_long_files_run_first_and_each_exists() -> None:
+    from tests.conftest import LONG_FILES
+
+    assert len(set(LONG_FILES)) == len(LONG_FILES)
+    missing = [name for name in LONG_FILES if not (REPO / name).is_file()]
+    assert not missing, f"tests/conftest.py's LONG_FILES names files that do not exist: {missing}"
