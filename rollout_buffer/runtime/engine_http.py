@@ -69,12 +69,18 @@ async def post_once(session: aiohttp.ClientSession, url: str, body: dict[str, An
         raise TransientEngineError(f"{url} answered HTTP {status}: {raw[:200]!r}")
     if status >= 400:
         raise EngineError(f"{url} answered HTTP {status}: {raw[:500]!r}")
+    return json_object_of(url, raw, "answered")
+
+
+def json_object_of(url: str, raw: bytes, verb: str) -> dict[str, Any]:
+    """An engine's JSON object (an answer, a streamed chunk); malformed or not an object is transient: the
+    engine is retried."""
     try:
         answer = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise TransientEngineError(f"{url} answered malformed JSON: {raw[:200]!r}") from exc
+        raise TransientEngineError(f"{url} {verb} malformed JSON: {raw[:200]!r}") from exc
     if not isinstance(answer, dict):
-        raise TransientEngineError(f"{url} answered {type(answer).__name__}, expected a JSON object")
+        raise TransientEngineError(f"{url} {verb} {type(answer).__name__}, expected a JSON object")
     return answer
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from rollout_buffer.runtime.engine_http import EngineError, EngineTimeout, TransientEngineError
+from rollout_buffer.runtime.engine_http import EngineError, EngineTimeout, TransientEngineError, json_object_of
 
 COALESCE_S = 0.02  # after a read, the socket rests this long, so the chunks meanwhile come in one read
 
@@ -68,13 +68,7 @@ class StreamedAnswer:
             self.add(self._parse(data))
 
     def _parse(self, data: bytes) -> dict[str, Any]:
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise TransientEngineError(f"{self.url} streamed malformed JSON: {data[:200]!r}") from exc
-        if not isinstance(chunk, dict):
-            raise TransientEngineError(f"{self.url} streamed {type(chunk).__name__}, expected an object")
-        return chunk
+        return json_object_of(self.url, data, "streamed")
 
     def add(self, chunk: dict[str, Any]) -> None:
         meta = chunk.get("meta_info")

@@ -8,28 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from tests.support.fuzz_api import OPERATIONS as EVERY_OPERATION, PARTS, fuzz_tests, fuzzed, part_of  # noqa: F401
 
-from tests.support.fuzz_api import Fuzzed, check_the_target_run_survived, check_with_the_token, \
-    check_without_the_token, fuzzed, ids, operations  # noqa: F401  (fuzzed: the module's server fixture)
-from tests.support.fuzz_api import OPERATIONS as EVERY_OPERATION, PARTS, part_of
-
-OPERATIONS = operations("control")
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=ids(OPERATIONS))
-def test_no_route_answers_5xx_and_refusals_store_nothing(fuzzed: Fuzzed, method: str, path: str) -> None:
-    check_with_the_token(fuzzed, method, path)
-
-
-@pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=ids(OPERATIONS))
-def test_without_the_token_every_route_but_health_is_401(fuzzed: Fuzzed, method: str, path: str) -> None:
-    check_without_the_token(fuzzed, method, path)
-
-
-def test_the_target_run_survived(fuzzed: Fuzzed) -> None:
-    check_the_target_run_survived(fuzzed)
+(test_no_route_answers_5xx_and_refusals_store_nothing, test_without_the_token_every_route_but_health_is_401,
+ test_the_target_run_survived) = fuzz_tests("control")
 
 
 def test_every_route_is_fuzzed_in_one_of_the_files() -> None:
@@ -38,6 +20,6 @@ def test_every_route_is_fuzzed_in_one_of_the_files() -> None:
     files = {"control": here / "test_fuzz_api.py", "writes": here / "test_fuzz_api_writes.py",
              "gateway": here / "test_fuzz_api_gateway.py"}
     assert set(files) == set(PARTS) and all(f.exists() for f in files.values())
-    assert all(f'operations("{part}")' in files[part].read_text() for part in PARTS)
+    assert all(f'fuzz_tests("{part}")' in files[part].read_text() for part in PARTS)
     assert {part_of(*op) for op in EVERY_OPERATION} == set(PARTS)
     assert len(EVERY_OPERATION) > 20 and ("POST", "/buffer/write") in EVERY_OPERATION

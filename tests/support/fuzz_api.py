@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,3 +200,26 @@ def check_the_target_run_survived(fuzzed: Fuzzed) -> None:
     detail = requests.get(f"{fuzzed.server.url}/runs/{fuzzed.run_id}", headers=auth(), timeout=30)
     assert detail.status_code == 200 and detail.json()["meta"]["status"] in ("running", "finished"), \
         "no fuzzed request deleted or superseded it"
+
+
+FuzzTest = Callable[..., None]
+
+
+def fuzz_tests(part: str) -> tuple[FuzzTest, FuzzTest, FuzzTest]:
+    """The three tests a part's file runs (assigned there to `test_*` names): its operations fuzzed with the
+    token, then without it, then the target run checked. One file per part, so the parts run in parallel."""
+    ops = operations(part)
+
+    @pytest.mark.timeout(600)
+    @pytest.mark.parametrize(("method", "path"), ops, ids=ids(ops))
+    def with_the_token(fuzzed: Fuzzed, method: str, path: str) -> None:
+        check_with_the_token(fuzzed, method, path)
+
+    @pytest.mark.parametrize(("method", "path"), ops, ids=ids(ops))
+    def without_the_token(fuzzed: Fuzzed, method: str, path: str) -> None:
+        check_without_the_token(fuzzed, method, path)
+
+    def target_run_survived(fuzzed: Fuzzed) -> None:
+        check_the_target_run_survived(fuzzed)
+
+    return with_the_token, without_the_token, target_run_survived
