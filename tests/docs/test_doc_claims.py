@@ -14,7 +14,7 @@ from tests.support.helpers import REPO
 
 def test_the_claude_code_tests_need_node_and_npm_and_say_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     readme = " ".join((REPO / "README.md").read_text().split())
-    assert "Node.js with npm (the Claude Code and Codex CLI tests" in readme
+    assert "Node.js with npm (the Claude Code, Codex CLI and OpenCode tests" in readme
     install = " ".join((REPO / "docs" / "install.md").read_text().split())
     assert "without Node.js and npm they fail" in install
     gateway = " ".join((REPO / "docs" / "gateway.md").read_text().split())
