@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.api.responses import OrjsonResponse
@@ -65,12 +66,9 @@ class FastWrite:
             status, answer = await write_one(app.state.buffer, parsed, pinned)  # type: ignore[arg-type]
             response: Any = OrjsonResponse(answer, status_code=status)
         except Exception as exc:
-            handler = exception_handler(app.exception_handlers, exc)
-            if handler is None:
+            response = await handled(Request(scope, receive), exc)
+            if response is None:
                 raise  # the framework's server-error middleware answers 500, as for a routed request
-            response = handler(Request(scope, receive), exc)
-            if inspect.isawaitable(response):
-                response = await response
         await response(scope, receive, send)
 
 
@@ -85,9 +83,13 @@ async def _body(receive: Receive) -> bytes | None:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def exception_handler(handlers: dict[Any, Any], exc: Exception) -> Any:
-    """The app's handler for `exc`, looked up along its class's MRO as Starlette does."""
-    for cls in type(exc).__mro__:
-        if cls in handlers:
-            return handlers[cls]
-    return None
+async def handled(request: Request, exc: Exception) -> Response | None:
+    """The app's own answer to `exc`, from its handler looked up along the exception's MRO as Starlette does;
+    None when it has none (the caller re-raises, so the server-error middleware answers 500). The lean
+    routes (this one, `api.gateway.fast_path`) answer errors as the routed requests would."""
+    handlers = request.app.exception_handlers
+    handler = next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers), None)
+    if handler is None:
+        return None
+    response = handler(request, exc)
+    return await response if inspect.isawaitable(response) else response

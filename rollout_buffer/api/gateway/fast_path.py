@@ -11,7 +11,6 @@ routed request; the routes stay mounted for `/docs`, the schema and as the refer
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from fastapi import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout_buffer.api.fast_write import exception_handler
+from rollout_buffer.api.fast_write import handled
 from rollout_buffer.api.gateway import routes_anthropic, routes_openai, routes_responses
 
 Endpoint = Callable[[Request], Awaitable[Any]]
@@ -42,12 +41,9 @@ class FastGateway:
             return
         request = Request(scope, receive)
         try:
-            response: Response = await endpoint(request)
+            response: Response | None = await endpoint(request)
         except Exception as exc:
-            handler = exception_handler(scope["app"].exception_handlers, exc)
-            if handler is None:
+            response = await handled(request, exc)
+            if response is None:
                 raise  # the framework's server-error middleware answers 500, as for a routed request
-            response = handler(request, exc)
-            if inspect.isawaitable(response):
-                response = await response
         await response(scope, receive, send)
