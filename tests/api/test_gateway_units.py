@@ -3,6 +3,9 @@ session turn's storage (prompt tails resolved back to full prompts)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 
 from rollout_buffer.api.gateway import history
@@ -58,3 +61,22 @@ def test_turns_store_only_their_tails_and_resolve_to_full_prompts() -> None:
         assert again.output_ids.tolist() == original.output_ids.tolist()
         assert again.output_logprobs.tolist() == original.output_logprobs.tolist()
         assert again.turn()["finish_reason"] == "stop"
+
+
+def test_a_small_render_runs_on_the_loop_and_a_large_one_in_the_render_thread() -> None:
+    """A turn's few new messages are rendered where the turn runs (a thread hop costs more than the render);
+    a long conversation goes to the render thread, so the event loop keeps answering meanwhile."""
+    from rollout_buffer.api.gateway.rendering import INLINE_CHARS, TOOL_CHARS, render_sized
+
+    def where() -> np.ndarray:
+        return np.asarray([threading.get_ident()])
+
+    async def main() -> tuple[int, int, int, int]:
+        small = [{"role": "user", "content": "x" * 100}]
+        large = [{"role": "user", "content": "x" * (INLINE_CHARS + 1)}]
+        tools = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(INLINE_CHARS // TOOL_CHARS + 1)]
+        return (int((await render_sized(where, small, None))[0]), int((await render_sized(where, large, None))[0]),
+                int((await render_sized(where, small, tools))[0]), threading.get_ident())
+
+    small, large, many_tools, loop_thread = asyncio.run(main())
+    assert small == loop_thread and large != loop_thread and many_tools != loop_thread

@@ -82,9 +82,34 @@ def check_short_history(tokenizer: Any) -> bool:
 _RENDER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="gateway-render")
 
 
-async def render_off_loop(render: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
-    """Run a render (template and tokenizer, seconds for a long conversation) in the gateway's render
-    thread, so the event loop keeps answering (`/health`, other sessions) meanwhile."""
+INLINE_CHARS = 16_384  # a render of this much text costs well under a millisecond (bench/README.md)
+TOOL_CHARS = 512  # what one tool's schema counts as: the template renders it (twice for a continuation)
+
+
+def text_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of the messages' text and tool-call arguments (what the template renders)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        total += len(content) if isinstance(content, str) else 0
+        for call in message.get("tool_calls") or ():
+            arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+            total += len(arguments) if isinstance(arguments, str) else 0
+    return total
+
+
+async def render_sized(render: Callable[..., np.ndarray], messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None, *args: Any) -> np.ndarray:
+    """`render(*args)`, where `messages` and `tools` are what it renders: on the event loop when that is small
+    (a turn's new messages: a fraction of a millisecond), else in the gateway's render thread, so the loop
+    keeps answering (`/health`, other sessions) through a long conversation's render (seconds).
+
+    A small render is not sent to the thread because the hop costs more than the render: two wake-ups of
+    the loop, and the thread waiting for the interpreter lock the busy loop holds (up to the 5 ms switch
+    interval), then the loop waiting for it back. With 64 streams on one loop that hop was a turn's largest
+    wait before its engine call."""
+    if text_chars(messages) + TOOL_CHARS * len(tools or ()) <= INLINE_CHARS:
+        return render(*args)
     return await asyncio.get_running_loop().run_in_executor(_RENDER_THREAD, render, *args)
 
 
@@ -97,6 +122,10 @@ class Renderer:
 
     def first(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> np.ndarray:
         return np.asarray(PromptTokens(self.tokenizer, tools).first(for_template(messages)), dtype=np.int32)
+
+    def rendered(self, history: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages `extend` renders (the size of its work)."""
+        return [*(_stand_in(history) if self.short else history), *new_messages]
 
     def extend(self, prompt_ids: np.ndarray, output_ids: np.ndarray, history: list[dict[str, Any]],
                new_messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> np.ndarray:

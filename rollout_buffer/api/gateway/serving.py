@@ -22,6 +22,7 @@ from fastapi import Request
 from rollout_buffer.api.gateway.constraints import NONE, Constraint
 from rollout_buffer.api.gateway.errors import GatewayError, Opened
 from rollout_buffer.api.gateway.json_limits import arguments_problem
+from rollout_buffer.api.gateway.rendering import text_chars
 from rollout_buffer.api.gateway.sse_stream import EventStream, frame
 from rollout_buffer.api.gateway.stream_live import LiveRenderer, live_events
 from rollout_buffer.api.gateway.turns import SessionClosed, TurnAnswer, TurnRequestError, run_turn
@@ -34,18 +35,6 @@ GRACE_S = 0.5
 Event = tuple[str | None, Any]
 _running: set[asyncio.Task[TurnAnswer]] = set()  # streamed turns, held until they end
 MAX_CHARS_PER_TOKEN = 16  # no tokenizer packs more text than this into one token, but for degenerate text
-
-
-def text_chars(messages: list[dict[str, Any]]) -> int:
-    """The characters of the messages' text and tool-call arguments (what the template renders)."""
-    total = 0
-    for message in messages:
-        content = message.get("content")
-        total += len(content) if isinstance(content, str) else 0
-        for call in message.get("tool_calls") or ():
-            arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
-            total += len(arguments) if isinstance(arguments, str) else 0
-    return total
 
 
 async def answer_turn(opened: Opened, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -97,17 +86,24 @@ async def streamed(turn: Awaitable[TurnAnswer], render: Callable[[TurnAnswer], I
     """A streamed answer (see the module docstring); `watch` is the one `turn` reports to, `live` the API's
     renderer of a started turn. GatewayError when the turn fails before the stream starts."""
     task = asyncio.ensure_future(turn)
-    deadline = asyncio.get_running_loop().time() + GRACE_S
-    while not task.done() and not watch.chunks:
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            break
-        watch.changed.clear()
-        waiter = asyncio.ensure_future(watch.changed.wait())
-        try:
-            await asyncio.wait({task, waiter}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()  # the first chunk, the turn's end or the grace: one wake-up
+
+    def wake(_: object = None) -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    watch.on_first = wake
+    task.add_done_callback(wake)
+    timer = loop.call_later(GRACE_S, wake)
+    if watch.chunks:
+        wake()
+    try:
+        await ready
+    finally:
+        timer.cancel()
+        watch.on_first = None
+        task.remove_done_callback(wake)
     if task.done():  # answered (or failed) before the stream started: as a finished answer
         return sse(render(task.result()), request)
     _running.add(task)

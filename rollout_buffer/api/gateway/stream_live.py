@@ -29,7 +29,6 @@ from rollout_buffer.api.gateway.watch import Start, TurnWatch
 log = logging.getLogger(__name__)
 Event = tuple[str | None, Any]
 _counting: set[asyncio.Task[None]] = set()
-FLUSH_S = 0.05  # deltas closer together go out as one: a stream's events at most every 50 ms
 KEEPALIVE_S = 5.0  # a stream with no event for this long gets a keep-alive comment (and the API's event)
 
 
@@ -48,17 +47,20 @@ async def live_events(task: asyncio.Task[TurnAnswer], watch: TurnWatch, opened: 
                       failed: Callable[[GatewayError], Event], gone: asyncio.Future[None]
                       ) -> AsyncGenerator[list[Event], None]:
     """The stream's events, one list per flush (sent as one write); ends when the client has gone (`gone`
-    done), and cancels the turn when it leaves first (see the module docstring). The engine's text is read
-    once per flush, and only after a new chunk."""
+    done), and cancels the turn when it leaves first (see the module docstring). A flush follows each read
+    of the engine's stream, which reads at most every `engine_stream.COALESCE_S` (50 ms) after its first
+    chunk, so the text is parsed and a write made once per read, not per token."""
     renderer: LiveRenderer | None = None
     text: TextStream | None = None
     read_chunks = 0  # the engine's chunks the text was last read at
     loop = asyncio.get_running_loop()
     quiet_since = loop.time()
-    ends: set[asyncio.Future[Any]] = {task, gone}
+    wake = watch.changed  # set by each read of the engine's stream, by the turn's end and by the client leaving
+    task.add_done_callback(lambda _: wake.set())
+    gone.add_done_callback(lambda _: wake.set())
     try:
         while True:
-            watch.changed.clear()
+            wake.clear()
             sent: list[Event] = []
             if renderer is None and watch.start is not None:
                 renderer = live(watch.start)
@@ -77,16 +79,9 @@ async def live_events(task: asyncio.Task[TurnAnswer], watch: TurnWatch, opened: 
                 yield sent
             if task.done() or gone.done():
                 break
-            if renderer is not None:
-                await asyncio.wait(ends, timeout=FLUSH_S, return_when=asyncio.FIRST_COMPLETED)
-                if task.done() or gone.done() or watch.changed.is_set():
-                    continue
-            waiter = asyncio.ensure_future(watch.changed.wait())
-            try:
-                await asyncio.wait({*ends, waiter}, return_when=asyncio.FIRST_COMPLETED,
-                                   timeout=max(FLUSH_S, quiet_since + KEEPALIVE_S - loop.time()))
-            finally:
-                waiter.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, quiet_since + KEEPALIVE_S - loop.time())):
+                    await wake.wait()
         if gone.done():
             return
         try:

@@ -24,7 +24,7 @@ import numpy as np
 
 from rollout_buffer.api.gateway import history
 from rollout_buffer.api.gateway.fork_prefix import Shared, shares
-from rollout_buffer.api.gateway.rendering import render_off_loop
+from rollout_buffer.api.gateway.rendering import render_sized
 from rollout_buffer.api.gateway.context import Gateway, RunContext
 from rollout_buffer.api.gateway.session_caps import Usage, check_session
 from rollout_buffer.store.session_turns import Node
@@ -158,11 +158,11 @@ async def run_turn(gw: Gateway, ctx: RunContext, session: Session, messages: lis
         fork = "rewind"
     elif parent is None and count > 0:
         fork = await _fork_reason(gw, session, count, messages, tools)
-    if parent is None:  # rendering and tokenizing off the event loop (one thread: one tokenizer user at a time)
-        prompt = await render_off_loop(ctx.renderer.first, messages, tools)
+    if parent is None:  # a long render runs off the event loop (one thread: one tokenizer user at a time)
+        prompt = await render_sized(ctx.renderer.first, messages, tools, messages, tools)
     else:
-        prompt = await render_off_loop(ctx.renderer.extend, parent.prompt_ids, parent.output_ids,
-                                       messages[:cut - 1], new, tools)
+        prompt = await render_sized(ctx.renderer.extend, ctx.renderer.rendered(messages[:cut - 1], new), tools,
+                                    parent.prompt_ids, parent.output_ids, messages[:cut - 1], new, tools)
     if len(prompt) > gw.settings.max_prompt_tokens:
         raise TurnRequestError("messages", f"messages: the prompt is {len(prompt)} tokens, more than "
                                            f"--max-prompt-tokens {gw.settings.max_prompt_tokens}")

@@ -26,6 +26,7 @@ class TurnWatch:
         self.chunks = 0  # the engine's chunks so far: the first starts the client's stream, text or not
         self.generated = False  # the engine has answered: the turn is being stored, a leaving client keeps it
         self.changed = asyncio.Event()
+        self.on_first: Callable[[], None] | None = None  # told of the first chunk (the stream may start)
 
     def started(self, start: Start) -> None:
         self.start = start
@@ -41,3 +42,5 @@ class TurnWatch:
         self._read = read
         self.chunks += 1
         self.changed.set()
+        if self.chunks == 1 and self.on_first is not None:
+            self.on_first()
