@@ -6,7 +6,8 @@ As SGLang does: chunks are cumulative (everything so far) unless the server runs
 `stream_interval` tokens (`--stream-interval`) and at the end, its text without a character split across
 tokens; `meta_info.output_token_logprobs` always holds
 every token so far; `finish_reason` is null until the last chunk. Tokens come `token_delay_s` apart after the
-request's latency; `/abort_request` with the rid cuts the stream (`finish_reason.type` `abort`), and a client
+request's latency, on a fixed schedule (as a GPU's decode steps: a busy event loop here does not slow the
+rate, so a streamed call takes its latency plus tokens x delay, as an unstreamed one of that latency does); `/abort_request` with the rid cuts the stream (`finish_reason.type` `abort`), and a client
 that disconnects stops the generation, which is logged as aborted.
 """
 
@@ -60,15 +61,16 @@ def stream_generate(engine: Engine, body: dict[str, Any], params: dict[str, Any]
         final = reason
         sent = text_sent = 0
         recorded = False
-        delay = config.latency_s + rng.uniform(0, config.latency_jitter_s)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + config.latency_s + rng.uniform(0, config.latency_jitter_s)  # the next token's time
         try:
             for token in plan.ids[:count]:
-                aborted = await engine.inflight.wait(request_id, delay)
+                aborted = await engine.inflight.wait(request_id, max(0.0, due - loop.time()))
                 if aborted is not None:
                     final = {"type": "abort", "message": aborted[0]}
                     engine.count_abort()
                     break
-                delay = config.token_delay_s
+                due += config.token_delay_s  # on a fixed schedule: a late wake-up does not slow the rate
                 ids.append(token)
                 if len(ids) % interval == 0 and len(ids) < count:
                     event, text_sent = chunk(ids, sent, text_sent, None)
