@@ -124,6 +124,7 @@ def _bodies(count: int, run_id: str | None, tag: str, seed: int) -> list[bytes]:
 def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
     """Writes, then one full read, on both sides; `trials` rounds, sides alternating."""
     from bench.load import drive
+    from bench.procs import cpu_split
     from bench.read_throughput import TASKS, _timed_read, _wait_healthy
     from tests.support.helpers import ServerProcess, free_port, write_jsonl
 
@@ -131,6 +132,7 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
     writes: dict[str, list[float]] = {"slime": [], "ours": []}
     reads: dict[str, list[float]] = {"slime": [], "ours": []}
     ours_body: list[float] = []  # our read's seconds to the whole body (server work and transfer)
+    cpu: dict[str, list[tuple[float, float, float]]] = {"slime": [], "ours": []}  # ms per record written
     record_bytes = 0
     with tempfile.TemporaryDirectory(prefix="rb-bench-slime-") as tmp:
         work = Path(tmp)
@@ -152,9 +154,13 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
                     order = ["slime", "ours"] if trial % 2 else ["ours", "slime"]
                     for side in order:
                         url = f"{slime_url}/buffer/write" if side == "slime" else f"{server.url}/buffer/write"
+                        server_pid = slime.pid if side == "slime" else server.proc.pid
+                        before = cpu_split(server_pid)
                         seconds = loop.run_until_complete(drive(url, bodies[side], clients=CLIENTS))
+                        used = tuple(1000 * (b - a) / count for a, b in zip(before, cpu_split(server_pid)))
                         if trial:
                             writes[side].append(seconds)
+                            cpu[side].append(used)
                     del bodies
                     for side in order:
                         started = time.perf_counter()
@@ -180,6 +186,10 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
     return {"records": count, "record_json_bytes": record_bytes, "clients": CLIENTS, "write_s": writes,
             "read_s": reads, "ours_read_body_s": ours_body, "write_per_s": write_rate, "read_per_s": read_rate,
             "write_ratio": write_rate["ours"] / write_rate["slime"],
+            # per side, the median trial's CPU ms per record written: the server process, the rest of its tree
+            # (our embedded Redis), the load generator
+            "write_cpu_ms_per_record": {side: dict(zip(("server", "redis", "client"), sorted(v)[len(v) // 2]))
+                                        for side, v in cpu.items()},
             "read_ratio": read_rate["ours"] / read_rate["slime"]}
 
 

@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 
 from bench.load import CLIENTS, drive
+from bench.procs import cpu_split
 from bench.records import realistic_record
 from rollout_buffer.wire.packed_batch import CONTENT_TYPE, encode_batch
 
@@ -51,7 +52,8 @@ def _batches(bodies: list[bytes], size: int, run_id: str) -> list[bytes]:
     return [prefix + b",".join(bodies[i:i + size]) + b"]}" for i in range(0, len(bodies), size)]
 
 
-async def _run_async(base: str, input_file: Path, count: int, batch_size: int, rounds: int) -> dict[str, Any]:
+async def _run_async(base: str, input_file: Path, count: int, batch_size: int, rounds: int, server_pid: int
+                     ) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{base}/start_rollout", json={
             "task_type": "external", "input_file": str(input_file), "num_repeat_per_sample": 8,
@@ -60,6 +62,7 @@ async def _run_async(base: str, input_file: Path, count: int, batch_size: int, r
     await drive(f"{base}/_bench/parse_only", _bodies(64, run_id, "warm"))  # warm-up, not timed
     batch_clients = min(CLIENTS, max(count // batch_size, 1))
     seconds: dict[str, list[float]] = {name: [] for name in ("read", "noop", "single", "jbatch", "packed")}
+    cpu: dict[str, list[tuple[float, float, float]]] = {name: [] for name in seconds}  # ms per record
 
     async def measure(name: str, n: int) -> float:
         if name == "jbatch":
@@ -76,7 +79,9 @@ async def _run_async(base: str, input_file: Path, count: int, batch_size: int, r
     packing: list[float] = []
     for n in range(rounds):  # every side once per round, the order reversed every other round (Redis grows as
         for name in list(seconds) if n % 2 == 0 else list(seconds)[::-1]:  # the run goes: AOF rewrites)
+            before = cpu_split(server_pid)
             seconds[name].append(await measure(name, n))
+            cpu[name].append(tuple(1000 * (b - a) / count for a, b in zip(before, cpu_split(server_pid))))
     read_only, parse_only, single, json_batch, packed = (count / min(seconds[name]) for name in seconds)
     return {
         "records": count,
@@ -93,6 +98,9 @@ async def _run_async(base: str, input_file: Path, count: int, batch_size: int, r
         "packing_s": min(packing),
         "packed_vs_json_batch": packed / json_batch,
         "rounds_s": seconds,
+        # per phase, the median round's CPU ms per record: the API process, Redis, the load generator
+        "cpu_ms_per_record": {name: dict(zip(("api", "redis", "client"), sorted(rounds)[len(rounds) // 2]))
+                              for name, rounds in cpu.items()},
     }
 
 
@@ -106,7 +114,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         input_file = write_jsonl(tmp_path / "in.jsonl", [{"instance_id": "x"}])
         with ServerProcess(tmp_path / "data", "--task-dir", str(tasks), "--workers", "0",
                            module="bench.baseline_server") as server:
-            return asyncio.run(_run_async(server.url, input_file, count, batch_size, 2 if quick else ROUNDS))
+            return asyncio.run(_run_async(server.url, input_file, count, batch_size, 2 if quick else ROUNDS,
+                                          server.proc.pid))
 
 
 def main(argv: list[str] | None = None) -> int:

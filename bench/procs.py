@@ -110,3 +110,11 @@ class RssSampler:
         self._stop.set()
         self._thread.join(timeout=5)
         self._sample()
+
+
+def cpu_split(server_pid: int) -> tuple[float, float, float]:
+    """CPU seconds so far of (a server's API process, the rest of its tree: the embedded Redis, this process:
+    the load generator)."""
+    api = cpu_seconds_precise(server_pid)
+    rest = sum(cpu_seconds_precise(pid) for pid in tree(server_pid) if pid != server_pid)
+    return api, rest, cpu_seconds_precise(os.getpid())

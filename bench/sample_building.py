@@ -16,7 +16,10 @@ prompt helps; the run also times the message path with its block cache switched 
   fails otherwise); its mask also covers the newline after each `<|im_end|>`, which the model never
   generates, so masks are compared and the difference reported;
 * token path: `build_samples` on the same records with `turns` (the engine's own ids, no tokenizer): what a
-  user gains by recording turns, against the message path.
+  user gains by recording turns, against the message path. The records come as the adapter reads them by
+  default, a packed read (turns as arrays), its decoding timed with the building; the same records read as
+  JSON (`agent_read_format json`: turns as lists, validated by the record model) are timed too, and must
+  give the same samples.
 
 Rates are samples per CPU second of the building process (single-threaded work; see `_rate`); every side
 runs in 3 rounds, the order reversed every other round, and each side's best round counts.
@@ -32,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
+from rollout_buffer.wire.packed_read import decode, encode_answer
+from rollout_buffer.wire.schema import TrajectoryRecord
 from slime_adapter.masks.loss_mask import cached_loss_mask_generator
 from slime_adapter.samples.build import build_samples
 
@@ -140,6 +145,11 @@ class PerMessageBaseline:
         return ids[:split], ids[split:], mask[split:]
 
 
+def _read_packed(answer: bytes) -> list[dict[str, Any]]:
+    """The records of a packed read answer, as the adapter decodes them by default (turns as arrays)."""
+    return decode(answer)["data"]["data"]
+
+
 def _rate(n: int, build: Callable[[], list[Any]]) -> tuple[float, list[Any]]:
     """Samples per CPU second of this process: building is single-threaded CPU work, and CPU time is what
     it costs the trainer; unlike wall time it does not depend on what else the machine runs."""
@@ -175,15 +185,21 @@ def run(quick: bool = False) -> dict[str, Any]:
     sides: dict[str, Callable[[], list[Any]]] = {
         "message": cached, "uncached": uncached,
         "baseline": lambda: [baseline.prompt_response(r["messages"], r["tools"]) for r in without],
-        "token": lambda: [build_samples(r, getter, "qwen")[0][0] for r in with_turns]}
+        "token": lambda: [build_samples(r, getter, "qwen")[0][0] for r in _read_packed(packed_answer)],
+        "token_json": lambda: [build_samples(r, getter, "qwen")[0][0] for r in with_turns],
+        # the part of the token path that is the record model's validation of a JSON read (what a packed read
+        # skips): timed alone, so the row can say what limits it
+        "validation": lambda: [TrajectoryRecord.model_validate(r) for r in with_turns]}
+    packed_answer = encode_answer({"success": True, "data": {"data": with_turns}})
     rates: dict[str, list[float]] = {side: [] for side in sides}
     out: dict[str, list[Any]] = {}
     for round_ in range(ROUNDS):  # every side once per round, the order reversed every other round; each
         for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:  # side's best round counts
             rate, out[side] = _rate(n, sides[side])
             rates[side].append(rate)
-    message_rate, uncached_rate, baseline_rate, token_rate = (max(rates[side]) for side in sides)
-    message_samples, uncached_samples, reference, token_samples = (out[side] for side in sides)
+    message_rate, uncached_rate, baseline_rate, token_rate, token_json_rate, validation_rate = (
+        max(rates[side]) for side in sides)
+    message_samples, uncached_samples, reference, token_samples, token_json_samples, _ = (out[side] for side in sides)
 
     mask_diff = 0
     for sample, uncached, (prompt, response, mask) in zip(message_samples, uncached_samples, reference):
@@ -192,6 +208,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         if uncached.tokens != sample.tokens or uncached.loss_mask != sample.loss_mask:
             raise AssertionError(f"the block cache changed the sample of {sample.metadata['uid']}")
         mask_diff += sum(a != b for a, b in zip(sample.loss_mask, mask))
+    for packed_sample, json_sample in zip(token_samples, token_json_samples):
+        if (packed_sample.tokens, packed_sample.loss_mask, packed_sample.rollout_log_probs) != (
+                json_sample.tokens, json_sample.loss_mask, json_sample.rollout_log_probs):
+            raise AssertionError(f"the packed and JSON reads built different samples for {packed_sample.metadata['uid']}")
     for tokens_sample, message_sample in zip(token_samples, message_samples):
         assert tokens_sample.metadata["mask_source"] == "tokens" and "fork" not in tokens_sample.metadata
         assert sum(tokens_sample.loss_mask) == sum(message_sample.loss_mask), "both mask the same generated ids"
@@ -206,6 +226,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         "message_ratio": round(message_rate / baseline_rate, 2),
         "message_no_cache_ratio": round(uncached_rate / baseline_rate, 2),
         "token_ratio": round(token_rate / message_rate, 2),
+        "token_json_per_s": round(token_json_rate, 1),
+        "token_json_ratio": round(token_json_rate / message_rate, 2),
+        # measured: the share of the JSON read's token path that is validating the record's turns
+        "token_validation_share": round(token_json_rate / validation_rate, 3),
         "identical_tokens": True,
         # slime's mask trains the newline after each <|im_end|>: 4 per conversation here
         "baseline_mask_differences": mask_diff,
