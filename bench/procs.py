@@ -116,5 +116,15 @@ def cpu_split(server_pid: int) -> tuple[float, float, float]:
     """CPU seconds so far of (a server's API process, the rest of its tree: the embedded Redis, this process:
     the load generator)."""
     api = cpu_seconds_precise(server_pid)
-    rest = sum(cpu_seconds_precise(pid) for pid in tree(server_pid) if pid != server_pid)
+    rest = sum(cpu_seconds_precise(pid) + _reaped_seconds(pid) for pid in tree(server_pid) if pid != server_pid)
     return api, rest, cpu_seconds_precise(os.getpid())
+
+
+def _reaped_seconds(pid: int) -> float:
+    """CPU of `pid`'s children that have exited and been waited for (cutime + cstime): Redis's AOF-rewrite
+    children, which would otherwise leave the sum when they exit."""
+    try:
+        fields = _stat_fields(pid)
+        return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0

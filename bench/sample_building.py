@@ -18,8 +18,8 @@ prompt helps; the run also times the message path with its block cache switched 
 * token path: `build_samples` on the same records with `turns` (the engine's own ids, no tokenizer): what a
   user gains by recording turns, against the message path. The records come as the adapter reads them by
   default, a packed read (turns as arrays), its decoding timed with the building; the same records read as
-  JSON (`agent_read_format json`: turns as lists, validated by the record model) are timed too, and must
-  give the same samples.
+  JSON (`agent_read_format json`: turns as lists, validated by the record model), parsing timed alike, are
+  timed too, and must give the same samples.
 
 Rates are samples per CPU second of the building process (single-threaded work; see `_rate`); every side
 runs in 3 rounds, the order reversed every other round, and each side's best round counts.
@@ -28,11 +28,14 @@ runs in 3 rounds, the order reversed every other round, and each side's best rou
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
 from collections.abc import Callable
 from typing import Any
+
+import orjson
 
 from rollout_buffer.testing.tokenizer import load_qwen_tokenizer
 from rollout_buffer.wire.packed_read import decode, encode_answer
@@ -186,17 +189,24 @@ def run(quick: bool = False) -> dict[str, Any]:
         "message": cached, "uncached": uncached,
         "baseline": lambda: [baseline.prompt_response(r["messages"], r["tools"]) for r in without],
         "token": lambda: [build_samples(r, getter, "qwen")[0][0] for r in _read_packed(packed_answer)],
-        "token_json": lambda: [build_samples(r, getter, "qwen")[0][0] for r in with_turns],
+        "token_json": lambda: [build_samples(r, getter, "qwen")[0][0]
+                               for r in orjson.loads(json_answer)["data"]["data"]],
         # the part of the token path that is the record model's validation of a JSON read (what a packed read
         # skips): timed alone, so the row can say what limits it
         "validation": lambda: [TrajectoryRecord.model_validate(r) for r in with_turns]}
     packed_answer = encode_answer({"success": True, "data": {"data": with_turns}})
+    json_answer = orjson.dumps({"success": True, "data": {"data": with_turns}})
+    # the inputs (2 x 1024 trajectories, millions of list items) out of the collector's view: a trainer does not
+    # hold them, and the collections they made costly fell on whichever side happened to trigger one
+    gc.collect()
+    gc.freeze()
     rates: dict[str, list[float]] = {side: [] for side in sides}
     out: dict[str, list[Any]] = {}
     for round_ in range(ROUNDS):  # every side once per round, the order reversed every other round; each
         for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:  # side's best round counts
             rate, out[side] = _rate(n, sides[side])
             rates[side].append(rate)
+    gc.unfreeze()
     message_rate, uncached_rate, baseline_rate, token_rate, token_json_rate, validation_rate = (
         max(rates[side]) for side in sides)
     message_samples, uncached_samples, reference, token_samples, token_json_samples, _ = (out[side] for side in sides)
