@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import platform
 import re
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from rollout_buffer.settings import usable_cores
 
 # benchmark name -> module in this package with run(quick) -> dict
 BENCHMARKS = ("ingest", "read_latency", "read_throughput", "storage", "rollout_concurrency", "sample_building",
@@ -76,7 +77,7 @@ def _cpu_limit(r: dict[str, Any], phase: str, against: str, against_name: str) -
         return ""
     ours, theirs = cpu[phase], cpu[against]
     total = sum(ours.values())
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     return (f"measured: CPU per record {ours['api']:.2f} ms in the API process (the {against_name} "
             f"{theirs['api']:.2f} ms), Redis {ours['redis']:.2f} ms, load generator {ours['client']:.2f} ms: "
             f"{total:.2f} ms a record, so {cores} cores allow at most {1000 * cores / total:.0f} rec/s; ")

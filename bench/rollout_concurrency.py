@@ -33,6 +33,7 @@ import orjson
 
 from bench.bare_client import replay_requests, run_baseline
 from bench.procs import RssSampler, cmdline, cpu_seconds, tree
+from rollout_buffer.settings import usable_cores
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = Path(__file__).resolve().parent / "tasks"
@@ -191,7 +192,7 @@ def run(quick: bool = False, *, rollouts: int | None = None, concurrency: int | 
     seconds, base_seconds = best["seconds"], min(m["baseline_seconds"] for m in measured)
     achieved, baseline = calls / seconds, calls / base_seconds
     ideal = concurrency / latency_s
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     total_ms = sum(cpu_ms.values())
     ideal_s = TURNS * latency_s * -(-rollouts // concurrency)
     return {

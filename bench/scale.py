@@ -34,6 +34,7 @@ from bench.bare_client import ROUTING_HEADER
 from bench.gateway import WORDS
 from bench.procs import RssSampler, cmdline, cpu_seconds_precise, tree
 from bench.rollout_concurrency import _free_port, _spawn, _stop, _wait_for
+from rollout_buffer.settings import usable_cores
 
 Key = tuple[str, int]  # (session id, turn index)
 
@@ -208,7 +209,7 @@ def run(quick: bool = False, *, sessions: int | None = None, turns: int = 4, wor
         finally:
             _stop(engine)
     return {"sessions": sessions, "turns": turns, "words_per_turn": words, "latency_s": latency_s,
-            "configs": results, "cores": len(os.sched_getaffinity(0)),
+            "configs": results, "cores": usable_cores(),
             "load_average": {"before": load_before[0], "after": os.getloadavg()[0]}}
 
 
