@@ -59,6 +59,14 @@ def test_reference_solutions_score_one_and_broken_tasks_are_named(tmp_path: Path
     (dataset / "needs-root" / "tests" / "test.sh").write_text(
         "#!/bin/bash\nif [ \"$(stat -c %U /etc/rb-hello)\" = nobody ]; then echo 1; else echo 0; fi"
         " > /logs/verifier/reward.txt\n")
+    # a task whose tests run a work-folder script that imports its sibling (Terminal-Bench 2's cancel-async-tasks
+    # does): it scores 1 only with Harbor's own sys.path, which the check says, with the option that gives it
+    shutil.copytree(dataset / "hello", dataset / "sibling")
+    (dataset / "sibling" / "solution" / "solve.sh").write_text("#!/bin/bash\necho 'ANSWER = 42' > /app/answer.py\n")
+    (dataset / "sibling" / "tests" / "driver.py").write_text("import answer\nassert answer.ANSWER == 42\n")
+    (dataset / "sibling" / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ncp /tests/driver.py /app/ && cd /app && if python3 driver.py; then echo 1; else echo 0; fi"
+        " > /logs/verifier/reward.txt\n")
     toml = dataset / "hello" / "task.toml"
     toml.write_text(toml.read_text().replace("timeout_sec = 60.0", "timeout_sec = -1"))
     done = _check(str(dataset), "--solutions", "--docker-host", docker_env.url, env_url=None)
@@ -69,6 +77,9 @@ def test_reference_solutions_score_one_and_broken_tasks_are_named(tmp_path: Path
     assert "reward 1" in rows["fix-bug"] and "rollout-buffer-harbor/fix-bug:" in rows["fix-bug"]
     assert rows["fix-bug"].split()[-2:] == ["clean", "yes"] and rows["partial"].split()[-2:] == ["clean", "yes"]
     assert "reward 1" in rows["outside"] and rows["outside"].split()[-2:] == ["snapshot", "yes"]
+    assert "reward 1" in rows["sibling"] and rows["sibling"].split()[-2:] == ["clean/no-safe-path", "yes"]
+    assert "sibling: warning: solution: scores 1 only with Harbor's sys.path (no PYTHONSAFEPATH)" in done.stdout
+    assert 'agent.verify.python_safe_path {"sibling": false}' in done.stdout
     # fix-bug's test imports the agent's calc.py from /app as root: warned about, naming the file
     assert "fix-bug: warning: tests/: its tests run code from the work folder as root: puts /app on sys.path " \
            "(test_calc.py)" in done.stdout
@@ -82,7 +93,7 @@ def test_reference_solutions_score_one_and_broken_tasks_are_named(tmp_path: Path
     assert "build failed" in build and len(build) > 150 and "last output" in build  # never cut at 100
     assert any(line.startswith("no-reward: problem: solution: error: ") and "wrote no reward" in line
                for line in lines), done.stdout
-    assert "4/7 tasks ok" in done.stdout
+    assert "5/8 tasks ok" in done.stdout
 
 
 def test_every_problem_of_every_task_at_once_untruncated_and_as_json(tmp_path: Path) -> None:

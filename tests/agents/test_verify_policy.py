@@ -78,6 +78,16 @@ def test_the_verifiers_environment() -> None:
     assert system_path(None, "/app") == SYSTEM_PATH and system_path("/app:/tmp", "/app") == SYSTEM_PATH
     assert verifier_env([], work="/srv/w", task_env={"PYTHONSAFEPATH": ""})["PYTHONSAFEPATH"] == ""  # the author's
     assert env_argv({"A": "1"}) == ["env", "-i", "A=1"]
+    # agent.verify.python_safe_path off for a task: Harbor's sys.path (no PYTHONSAFEPATH unless the image sets it)
+    assert "PYTHONSAFEPATH" not in verifier_env(image, work="/app", safe_path=False)
+    assert verifier_env(["PYTHONSAFEPATH=1"], work="/app", safe_path=False)["PYTHONSAFEPATH"] == "1"
+    policy = parse_policy({"python_safe_path": {"cancel-async-tasks": False}})
+    assert not policy.safe_path_for("cancel-async-tasks") and policy.safe_path_for("regex-log")
+    assert not parse_policy({"python_safe_path": False}).safe_path_for("regex-log")
+    assert parse_policy(None).safe_path_for("any")
+    for bad in ("no", {"t": "false"}, [1]):
+        with pytest.raises(PolicyError, match="agent.verify.python_safe_path: must be true, false or an object"):
+            parse_policy({"python_safe_path": bad})
 
 
 def test_task_toml_declares_its_range_and_outputs(tmp_path: Path) -> None:

@@ -6,8 +6,9 @@ found, pulled or built (as a rollout would, cached by content hash); the USER co
 as (the run's `--user`, else the task's `[agent] user`, else the image's USER, else root, as in Harbor); with
 `--solutions` the task's `solution/` is uploaded to `/solution` in a fresh container of its image (no network, the task's limits), `bash /solution/solve.sh` runs as the
 agent user would run, and the task's own verifier scores it: a sound task scores 1. It is scored under the
-`clean` verify mode first, then `snapshot`, then `same`: the MODE column is the safest mode in which the
-solution scores 1, the one to run the task with (`agent.verify.tasks`). A task whose tests run code from
+`clean` verify mode first, then `snapshot`, then both without `PYTHONSAFEPATH` (`agent.verify.python_safe_path`),
+then `same`: the MODE column is the safest way in which the solution scores 1, the one to run the task with
+(`agent.verify.tasks`; `clean/no-safe-path` for a task that scores 1 only with Harbor's own `sys.path`). A task whose tests run code from
 the work folder as root (`agents/verify/lint.py`) is warned about: no mode makes that code harmless. One row per task; the
 exit status is 1 when any task failed a check.
 """
@@ -80,19 +81,23 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any], network:
         agent = AgentResult(exit_code=run.exit_code, stdout=run.stdout, stderr=run.stderr, timed_out=run.timed_out,
                             duration_s=run.duration_s)
         results: dict[str, Any] = {}
-        for mode in MODES:  # the safest mode in which it scores 1 (same last: it changes the container)
+        # the safest way in which it scores 1: clean, snapshot, the two without PYTHONSAFEPATH (Harbor's sys.path:
+        # agent.verify.python_safe_path false), same last (it changes the container)
+        tries = [(m, True) for m in MODES if m != "same"] + [(m, False) for m in MODES if m != "same"]
+        for mode, safe in [*tries, ("same", True)]:
             try:
                 verdict = await harbor_verify(box, sample, agent, mode=mode, outputs=harbor.get("outputs"),
                                               egress=phase_allowlist(harbor, "verifier", network.egress),
-                                              upstream=network.proxy, mirrors=Mirrors.parse(network.mirrors))
+                                              upstream=network.proxy, mirrors=Mirrors.parse(network.mirrors),
+                                              safe_path=safe)
             except KeptFailure as exc:
                 if exc.error_type == "no_network":  # the grant, not the mode: no other mode reaches more
                     raise
-                results[mode] = exc
+                results.setdefault(mode, exc)
                 continue
             if verdict["reward"] == 1.0:
                 return verdict
-            results[mode] = verdict
+            results.setdefault(mode, verdict)
         if isinstance(results["clean"], KeptFailure):
             raise results["clean"]
         return results["clean"]
@@ -204,6 +209,12 @@ async def check_dataset(dataset: str | Path, *, build: bool, solutions: bool, op
                 continue
             row.solution = f"reward {verdict['reward']:g}"
             row.mode = verdict["mode"] if verdict["reward"] == 1.0 else "-"
+            if verdict.get("python_safe_path") is False and verdict["reward"] == 1.0:
+                row.mode += "/no-safe-path"
+                row.warnings.append({"field": "solution", "message": (
+                    f"scores 1 only with Harbor's sys.path (no PYTHONSAFEPATH): its tests run a script of the "
+                    f"work folder that imports its siblings, the agent's code as root; run it with "
+                    f"agent.verify.python_safe_path {{\"{row.task}\": false}} (it scores 0 otherwise)")})
             if verdict["reward"] != 1.0:
                 row.fail("solution", f"the reference solution scored {verdict['reward']:g}, not 1")
                 row.solution = f"reward {verdict['reward']:g}"

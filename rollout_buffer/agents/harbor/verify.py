@@ -59,7 +59,8 @@ def harbor_verifier(policy: VerifyPolicy, egress: dict[str, tuple[str, ...]] | N
                                       outputs=[*(harbor.get("outputs") or []), *policy.outputs],
                                       egress=phase_allowlist(harbor, "verifier", egress or {}), upstream=upstream,
                                       reward_key=policy.reward_key, reward_weights=policy.reward_weights,
-                                      mirrors=routes, keep_to=work_store if policy.keep_work else None)
+                                      mirrors=routes, keep_to=work_store if policy.keep_work else None,
+                                      safe_path=policy.safe_path_for(harbor["name"]))
         if policy.keep_work and work_store is None:  # said, never silently missing
             verdict["work_products_dropped"] = "the run has no archive (--archive-dir or its 'archive' option)"
         return verdict
@@ -86,7 +87,7 @@ async def harbor_verify(sandbox: Any, sample: dict[str, Any], agent: AgentResult
                         bounds: tuple[float, float] | None = None, outputs: list[str] | None = None,
                         egress: Allowlist | None = None, upstream: str = "", reward_key: str | None = None,
                         reward_weights: dict[str, float] | None = None, mirrors: Mirrors | None = None,
-                        keep_to: Path | None = None) -> dict[str, Any]:
+                        keep_to: Path | None = None, safe_path: bool = True) -> dict[str, Any]:
     """Run the task's tests/test.sh in `mode` (module docstring) and return the verdict. With `egress` (the
     task's verifier wants network) the tests reach the allowed hosts through an egress proxy; a failure after
     a refused host is counted as `no_network`, never a silent 0. `same` mode has no verifier egress."""
@@ -95,7 +96,8 @@ async def harbor_verify(sandbox: Any, sample: dict[str, Any], agent: AgentResult
     try:
         if proxy is not None:
             proxy.admit(getattr(sandbox, "model_peer_uid", None))
-        verdict = await _verify(sandbox, sample, mode, bounds, outputs, proxy, (reward_key, reward_weights), keep_to)
+        verdict = await _verify(sandbox, sample, mode, bounds, outputs, proxy, (reward_key, reward_weights), keep_to,
+                                safe_path)
     except KeptFailure as exc:
         raise _network_reason(exc, proxy) from exc
     finally:
@@ -124,12 +126,13 @@ def _network_reason(exc: KeptFailure, proxy: EgressProxy | None) -> KeptFailure:
 async def _verify(sandbox: Any, sample: dict[str, Any], mode: str, bounds: tuple[float, float] | None,
                   outputs: list[str] | None, proxy: EgressProxy | None,
                   choice: tuple[str | None, dict[str, float] | None] = (None, None),
-                  keep_to: Path | None = None) -> dict[str, Any]:
+                  keep_to: Path | None = None, safe_path: bool = True) -> dict[str, Any]:
     harbor = sample["harbor"]
     if getattr(sandbox, "exec_root", None) is None:
         raise VerifierError("a Harbor task's verifier runs as root in its image: use the docker backend")
     bounds = bounds or _task_range(harbor)
-    env = verifier_env(await image_env(sandbox), work=sandbox.work, task_env=harbor.get("verifier_env"))
+    env = verifier_env(await image_env(sandbox), work=sandbox.work, task_env=harbor.get("verifier_env"),
+                       safe_path=safe_path)
     timeout_s = float(harbor["verifier_timeout_sec"])
     async with verifier_box(sandbox, mode, list(outputs or []), proxy.socket_path if proxy else None) as box:
         env = {**env, **proxy_env(box.egress_url if proxy is not None else None)}
@@ -152,6 +155,8 @@ async def _verify(sandbox: Any, sample: dict[str, Any], mode: str, bounds: tuple
     timed_out = run.exit_code == 124 or (run.exit_code == 137 and elapsed >= timeout_s)
     info = {"mode": mode, **kept, "test_exit_code": run.exit_code, "test_timed_out": timed_out,
             "test_stdout_tail": run.stdout[-TAIL_CHARS:], "test_stderr_tail": run.stderr[-TAIL_CHARS:]}
+    if not safe_path:  # the record says its tests ran with Harbor's sys.path (agent.verify.python_safe_path)
+        info["python_safe_path"] = False
     tails = f"; test.sh exit {run.exit_code}; stdout tail: {run.stdout[-600:]!r}; stderr tail: {run.stderr[-600:]!r}"
     if timed_out:
         raise KeptFailure("verifier_timeout", f"test.sh ran past its timeout_sec {timeout_s:g}{tails}", info)

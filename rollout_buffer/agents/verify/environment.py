@@ -4,7 +4,8 @@
 `PATH` the image's with every entry under the work folder, /tmp, /var/tmp, /dev/shm or /home dropped (the
 system's when the image sets none), `HOME=/root`, `PYTHONSAFEPATH=1` (Python never puts the working folder or
 the script's folder first on `sys.path`, so an agent's `pytest.py` or `json.py` in /app shadows nothing),
-`PYTHONNOUSERSITE=1` (no user site folder), and last the task's `[verifier] env` (the task author's choice,
+`PYTHONNOUSERSITE=1` (no user site folder; `PYTHONSAFEPATH` is left out where the run turns
+`agent.verify.python_safe_path` off for the task, Harbor's own semantics), and last the task's `[verifier] env` (the task author's choice,
 which may override any of these). The working folder is the image's (Harbor's: /app by default); test.sh's
 own `cd` is honoured.
 """
@@ -27,14 +28,17 @@ def system_path(image_path: str | None, work: str) -> str:
     return ":".join(kept) or SYSTEM_PATH
 
 
-def verifier_env(image_env: list[str], *, work: str, task_env: dict[str, str] | None = None) -> dict[str, str]:
+def verifier_env(image_env: list[str], *, work: str, task_env: dict[str, str] | None = None,
+                 safe_path: bool = True) -> dict[str, str]:
     """The variables of test.sh (module docstring), in order."""
     env: dict[str, str] = {}
     for item in image_env:
         name, sep, value = item.partition("=")
         if sep and name:
             env[name] = value
-    env.update(PATH=system_path(env.get("PATH"), work), HOME="/root", PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1")
+    env.update(PATH=system_path(env.get("PATH"), work), HOME="/root", PYTHONNOUSERSITE="1")
+    if safe_path:  # else as in Harbor: the image's own setting, if any
+        env["PYTHONSAFEPATH"] = "1"
     env.update(task_env or {})
     return env
 

@@ -6,11 +6,18 @@
                          "failure_reward": 0.0,       # the reward of a kept failure (a finite number)
                          "reward_range": [0, 1],      # a reward outside it is a kept failure (reward_invalid)
                          "outputs": ["/srv/out"],     # absolute paths copied into a clean container too
-                         "keep_work": true}}          # the archive keeps what clean mode's tests saw (reverify)
+                         "keep_work": true,           # the archive keeps what clean mode's tests saw (reverify)
+                         "python_safe_path": {"cancel-async-tasks": false}}}  # or false: Harbor's sys.path
 
 The mode, the task modes and the outputs are for Harbor tasks (docker). The range falls back to the task's
 `[verifier] reward_range` (task.toml), then to [0, 1]; a run's own verifiers (`tests_pass`, `command`,
 `python`) are held to the run's range when it declares one. The failure reward is every failure record's.
+
+`python_safe_path` (default true: `PYTHONSAFEPATH=1` in test.sh's environment, so no `python3 -m pytest` or
+`python3 script.py` puts the agent's work folder first on `sys.path`) may be turned off for the run (`false`) or
+for named tasks (`{"task": false}`): Harbor's own semantics, for a task whose tests run a script of the work
+folder that imports its siblings. Such tests run the agent's code as root anyway (`agents/verify/lint.py`), so
+the variable protects nothing there; `tasks check --solutions` says which tasks score 1 only without it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ MODES = ("clean", "snapshot", "same")
 DEFAULT_MODE = "clean"
 DEFAULT_RANGE = (0.0, 1.0)
 MAX_OUTPUTS = 32
-_KEYS = {"mode", "tasks", "failure_reward", "reward_range", "outputs", "reward_key", "reward_weights", "keep_work"}
+_KEYS = {"mode", "tasks", "failure_reward", "reward_range", "outputs", "reward_key", "reward_weights", "keep_work",
+         "python_safe_path"}
 
 
 class PolicyError(ValueError):
@@ -46,9 +54,14 @@ class VerifyPolicy:
     reward_key: str | None = None
     reward_weights: dict[str, float] | None = None
     keep_work: bool = False  # a run with an archive keeps each rollout's work products (agents/verify/keep.py)
+    safe_path: bool = True  # PYTHONSAFEPATH=1 for test.sh (module docstring)
+    safe_path_tasks: dict[str, bool] = field(default_factory=dict)  # a task's own choice
 
     def mode_for(self, task: str) -> str:
         return self.tasks.get(task, self.mode)
+
+    def safe_path_for(self, task: str) -> bool:
+        return self.safe_path_tasks.get(task, self.safe_path)
 
 
 def _finite(value: Any) -> bool:
@@ -112,6 +125,13 @@ def parse_policy(raw: Any) -> VerifyPolicy:
     keep = raw.get("keep_work", False)
     if not isinstance(keep, bool):
         raise PolicyError("agent.verify.keep_work", f"must be true or false, got {keep!r}")
+    safe = raw.get("python_safe_path", True)
+    if not isinstance(safe, bool) and not (isinstance(safe, dict) and all(
+            isinstance(k, str) and isinstance(v, bool) for k, v in safe.items())):
+        raise PolicyError("agent.verify.python_safe_path", f"must be true, false or an object of task name: true or "
+                                                           f"false, got {safe!r}")
     return VerifyPolicy(mode=mode, tasks=dict(tasks), failure_reward=float(failure), reward_range=bounds,
                         outputs=outputs, reward_key=key, keep_work=keep,
+                        safe_path=safe if isinstance(safe, bool) else True,
+                        safe_path_tasks={} if isinstance(safe, bool) else dict(safe),
                         reward_weights={k: float(v) for k, v in weights.items()} if weights else None)
