@@ -15,6 +15,9 @@ repository; nothing of it is copied into this project, it is loaded from DIR at 
   same client, slime's own (aiohttp, `json={}` as the body, the answer parsed by `response.json()`, the
   standard `json` module, as `rollout_buffer_example.get_rollout_data` reads): what a slime user meets who
   points slime's reader at this buffer instead of slime's.
+* the JSON read's bound: the same client reading our answer held pre-encoded in memory by a bare uvicorn app
+  (`_serve_bound`): no buffer answers faster, so slime's read time over this one is the most any buffer's
+  JSON read ratio can reach under slime's client.
 * full read to records in the trainer's hands: the same records written to ours again (not timed), read
   with the adapter's packed read (decoded into numpy arrays), against slime's JSON read of the same trial.
 
@@ -94,6 +97,29 @@ def masks(slime_dir: Path, quick: bool) -> dict[str, Any]:
             "ratio": ours_rate / slime_rate, "identical_tokens": True}
 
 
+def _serve_bound(port: int) -> None:
+    """The fastest answer an HTTP server of this stack can give: `/get_rollout_data` answers the bytes last
+    posted to `/load`, encoded beforehand and held in memory (uvicorn, as both buffers are served). No buffer
+    answers faster; its read is the JSON read's bound under slime's client."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    held = [b"{}"]
+
+    async def load(request: Request) -> Response:
+        held[0] = await request.body()
+        return Response(b"{}", media_type="application/json")
+
+    async def answer(request: Request) -> Response:
+        return Response(held[0], media_type="application/json")
+
+    app = Starlette(routes=[Route("/load", load, methods=["POST"]), Route("/get_rollout_data", answer, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, timeout_keep_alive=5, log_level="warning")
+
+
 def _serve_slime(slime_dir: Path, port: int) -> None:
     """slime's buffer app, served as its `__main__` serves it (on loopback, access log off)."""
     import uvicorn
@@ -147,6 +173,7 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
     writes: dict[str, list[float]] = {side: [] for side in SIDES}
     reads: dict[str, list[float]] = {side: [] for side in SIDES}  # the full JSON read, slime's client on all
     read_body: dict[str, list[float]] = {side: [] for side in SIDES}  # its seconds to the whole body
+    bound_reads: list[float] = []  # the same client reading our answer served pre-encoded (`_serve_bound`)
     packed: list[float] = []  # our packed read of the same records, decoded into arrays
     ours_body: list[float] = []  # our packed read's seconds to the whole body (server work and transfer)
     cpu: dict[str, list[tuple[float, float, float]]] = {side: [] for side in SIDES}  # ms per record written
@@ -155,14 +182,18 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rb-bench-slime-") as tmp:
         work = Path(tmp)
         input_file = write_jsonl(work / "in.jsonl", [{"instance_id": "x"}])
-        port = free_port()
+        port, bound_port = free_port(), free_port()
+        bound = subprocess.Popen([sys.executable, "-m", "bench.against_slime", "--serve-bound", str(bound_port),
+                                  "--slime-dir", str(slime_dir)], cwd=Path(__file__).resolve().parent.parent,
+                                 stdout=subprocess.DEVNULL)
         slime = subprocess.Popen([sys.executable, "-m", "bench.against_slime", "--serve-slime", str(port),
                                   "--slime-dir", str(slime_dir)], cwd=Path(__file__).resolve().parent.parent,
                                  stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "0"})
         loop = asyncio.new_event_loop()
         try:
-            slime_url = f"http://127.0.0.1:{port}"
+            slime_url, bound_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{bound_port}"
             _wait_healthy(slime_url, slime)
+            _wait_healthy(bound_url, bound)
             serve = ("--task-dir", str(TASKS), "--workers", "0")
             with ServerProcess(work / "data", *serve, env={"ROLLOUT_BUFFER_API_PROCESSES": str(api_processes)}
                                ) as server, ServerProcess(work / "data-one", *serve) as one:
@@ -196,7 +227,15 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
                             reads[side].append(elapsed)
                             read_body[side].append(received)
                             read_cpu[side].append(_per_record(before, cpu_roles(pids[side]), own, count))
+                        if side == "ours":  # the bound's answer: our records, encoded before the read
+                            httpx.post(f"{bound_url}/load", timeout=600, content=orjson.dumps(
+                                {"success": True, "message": "", "data": {"data": got, "meta_info": {}}}))
                         del got
+                    started = time.perf_counter()
+                    got, received = loop.run_until_complete(_read_json(bound_url))
+                    if trial:
+                        bound_reads.append(time.perf_counter() - started)
+                    del got
                     run_id = loop.run_until_complete(_start(server.url, input_file, f"packed{trial}"))
                     _fill_packed(server.url, run_id, _bodies(count, None, f"p{trial}", trial))
                     body_s, elapsed, got = _timed_read(loop, server.url, "packed", run_id, count)
@@ -206,8 +245,9 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
                     del got
         finally:
             loop.close()
-            slime.terminate()
-            slime.wait(timeout=30)
+            for proc in (slime, bound):
+                proc.terminate()
+                proc.wait(timeout=30)
     # best of the trials per side (the least disturbed by other jobs on the machine); every trial is kept
     write_rate = {side: count / min(v) for side, v in writes.items()}
     read_rate = {side: count / min(v) for side, v in reads.items()}
@@ -227,6 +267,10 @@ def buffer_rows(slime_dir: Path, quick: bool) -> dict[str, Any]:
             # the client's part of the JSON read (decode and stdlib parse, the same client on every side): were
             # our body to arrive in no time at all, our read could be at most this much faster than slime's
             "json_read_ceiling": min(reads["slime"]) / client["ours"],
+            # the same client reading our answer held pre-encoded in memory by a bare uvicorn app: no buffer answers
+            # faster, so slime's read time over this one is the most any buffer's JSON read ratio can be
+            "json_read_bound_s": bound_reads,
+            "json_read_bound_ratio": min(reads["slime"]) / min(bound_reads),
             "json_read_client_s": client,
             "json_read_ratio": read_rate["ours"] / read_rate["slime"],
             "read_ratio": packed_rate / read_rate["slime"]}
@@ -285,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--slime-dir", type=Path, required=True)
     parser.add_argument("--serve-slime", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-bound", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_bound:
+        _serve_bound(args.serve_bound)
+        return 0
     if args.serve_slime:
         _serve_slime(args.slime_dir, args.serve_slime)
         return 0

@@ -73,6 +73,13 @@ class ChaosConfig:
     # the server's --session-timeout-s: shorter, and the idle sweep races agents' turns and finishes all the time
     session_timeout_s: float = SESSION_TIMEOUT_S
 
+    def __post_init__(self) -> None:
+        # the trainer trains prompts * epochs // batch steps: a remainder would be groups no step takes, which
+        # the checker would report as lost, a configuration error made to look like a violation
+        if min(self.prompts, self.epochs, self.batch, self.repeats) < 1 or (self.prompts * self.epochs) % self.batch:
+            raise ValueError(f"chaos: prompts * epochs ({self.prompts} * {self.epochs}) must be a multiple of batch "
+                             f"({self.batch}), and each of them at least 1")
+
 
 @dataclass
 class TrainerLives:

@@ -79,3 +79,10 @@ def test_chaos_on_a_redis_cluster_with_replicas_and_primary_kills(tmp_path: Path
     _assert_clean(report, EMBEDDED_KINDS - {"redis_kill"} | {"primary_kill"})
     assert report.counts["primary kills right after a replica pause past the wait"] > 0, \
         "some primaries died while their replica was paused past the replica wait"
+
+
+def test_a_round_whose_groups_no_step_takes_is_refused_before_it_runs(tmp_path: Path) -> None:
+    # 5 prompts x 1 epoch in steps of 2 groups: the fifth group would be reported lost though the buffer lost nothing
+    with pytest.raises(ValueError, match=r"prompts \* epochs \(5 \* 1\) must be a multiple of batch \(2\)"):
+        _short(tmp_path, prompts=5, epochs=1)
+    assert _short(tmp_path, prompts=5, epochs=2).batch == 2
