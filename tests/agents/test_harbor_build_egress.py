@@ -1,0 +1,183 @@
+"""A Harbor image build reaches the hosts the operator grants builds (`--egress-build`) and nothing else.
+
+Real Docker (the Engine's legacy builder), the real egress proxy and in-sandbox forwarder, and the Terminal-Bench 2
+stand-ins on loopback (`tests/support/tb2_mirror.py`: a Debian archive for deb.debian.org, a PyPI for pypi.org
+under a test CA the trixie base image trusts). A granted download lands in the image; a host not granted fails
+the build as `BuildFailed` naming it; a RUN step reaches no host loopback port but the forwarder's; with no grant
+the build has no network at all; the holder container is gone after every build."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from rollout_buffer.agents.harbor.build_net import HOLDER_LABEL, BuildEgress, base_image
+from rollout_buffer.agents.harbor.images import BuildFailed, Recipe, ensure_image
+from rollout_buffer.agents.sandbox import EGRESS_PORT, SandboxError
+from tests.support.docker_env import DockerEnv, _request, docker_env  # noqa: F401 - the session fixture
+from tests.support.helpers import REPO
+from tests.support.registry import remove_image
+from tests.support.tb2_mirror import Mirror, running_mirror
+from tests.support.tb2_mirror import base_image as tb2_base
+
+pytestmark = pytest.mark.timeout(300)
+RELEASE = "http://deb.debian.org/debian/dists/trixie/Release"
+
+
+@pytest.fixture(scope="module")
+def mirror() -> Iterator[Mirror]:
+    with running_mirror() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def trixie(docker_env: DockerEnv) -> str:  # noqa: F811
+    return tb2_base(docker_env.url)
+
+
+def grant(mirror: Mirror, *hosts: str) -> BuildEgress:
+    """Builds granted `hosts`, with the stand-ins as every TB2 host's mirror."""
+    return BuildEgress(hosts, tuple(mirror.mirrors()))
+
+
+def holders(env: DockerEnv) -> list[str]:
+    filters = quote(json.dumps({"label": [f"{HOLDER_LABEL}=1"]}))
+    status, body = _request(env.url, "GET", f"/containers/json?all=1&filters={filters}", timeout=30.0)
+    assert status == 200, body
+    return [c["Id"] for c in json.loads(body)]
+
+
+def build(env: DockerEnv, root: Path, dockerfile: str, egress: BuildEgress | None) -> str:
+    """Build `dockerfile` as a Harbor task's environment/ (a fresh tag); the tag. The holder is gone after."""
+    (root / "environment").mkdir(parents=True)
+    (root / "environment" / "Dockerfile").write_text(dockerfile)
+    tag = f"rollout-buffer-harbor/build-egress-test:{uuid.uuid4().hex[:12]}"
+    recipe = Recipe(f"harbor task {root.name!r}", root / "environment", timeout_s=120.0, task=root.name, egress=egress)
+    try:
+        asyncio.run(ensure_image(tag, recipe, env.options()))
+    finally:
+        assert holders(env) == []  # removed whatever the outcome
+    return tag
+
+
+def read_in_image(env: DockerEnv, tag: str, path: str) -> str:
+    """A file of the built image (through a container with no network), and the image removed after."""
+    try:
+        done = subprocess.run(["docker", "-H", env.url, "run", "--rm", "--network", "none", tag, "cat", path],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    finally:
+        remove_image(env.url, tag)
+
+
+def test_a_granted_host_is_reached_by_apt_curl_and_https_and_the_download_is_in_the_image(
+        docker_env: DockerEnv, mirror: Mirror, trixie: str, tmp_path: Path) -> None:  # noqa: F811
+    dockerfile = (f"FROM {trixie}\nRUN apt-get update && curl -fsS {RELEASE} -o /release.txt "
+                  "&& curl -fsS https://pypi.org/simple/pytest/ -o /pytest.html && env | grep -ci _proxy > /proxies\n")
+    tag = build(docker_env, tmp_path / "granted", dockerfile, grant(mirror, "deb.debian.org", "pypi.org"))
+    history = subprocess.run(["docker", "-H", docker_env.url, "history", "--no-trunc", tag], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    config = json.loads(_request(docker_env.url, "GET", f"/images/{tag}/json")[1])["Config"]
+    assert str(EGRESS_PORT) not in history and not any("PROXY" in e.upper() for e in config.get("Env") or [])
+    assert read_in_image(docker_env, tag, "/release.txt").startswith("Origin: rollout-buffer test mirror")
+    assert {"deb.debian.org/debian/dists/trixie/Release", "pypi.org/simple/pytest/"} <= set(mirror.served)
+
+
+def test_a_host_not_granted_fails_the_build_naming_it(
+        docker_env: DockerEnv, mirror: Mirror, trixie: str, tmp_path: Path) -> None:  # noqa: F811
+    dockerfile = f"FROM {trixie}\nRUN curl -fsS {RELEASE} -o /release.txt\n"
+    with pytest.raises(BuildFailed) as failed:
+        build(docker_env, tmp_path / "refused", dockerfile, grant(mirror, "pypi.org"))
+    assert isinstance(failed.value, SandboxError)  # an infrastructure failure of the task, never a reward
+    message = str(failed.value)
+    assert "harbor task 'refused'" in message and "build failed" in message
+    assert "the build's egress refused ['deb.debian.org:80']: grant them with --egress-build" in message
+
+
+def test_a_run_step_reaches_no_host_loopback_port_but_the_forwarder(
+        docker_env: DockerEnv, mirror: Mirror, trixie: str, tmp_path: Path) -> None:  # noqa: F811
+    listener = socket.create_server(("127.0.0.1", 0))  # a host service (Redis, the API) on loopback
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    probe = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', PORT), 3).close(); print('reached')\n"
+             "except OSError as e:\n    print('unreachable', type(e).__name__)\n").replace("PORT", str(port))
+    (tmp_path / "loopback" / "environment").mkdir(parents=True)
+    (tmp_path / "loopback" / "environment" / "probe.py").write_text(probe)
+    dockerfile = (f"FROM {trixie}\nCOPY probe.py /probe.py\nRUN python3 /probe.py > /direct; "
+                  f"curl -sS -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{port}/ > /proxied; "
+                  f"cat /direct /proxied > /result\n")
+    (tmp_path / "loopback" / "environment" / "Dockerfile").write_text(dockerfile)
+    tag = f"rollout-buffer-harbor/build-egress-test:{uuid.uuid4().hex[:12]}"
+    recipe = Recipe("harbor task 'loopback'", tmp_path / "loopback" / "environment", timeout_s=120.0,
+                    task="loopback", egress=grant(mirror, "deb.debian.org"))
+    try:
+        asyncio.run(ensure_image(tag, recipe, docker_env.options()))
+        result = read_in_image(docker_env, tag, "/result")
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing of the build ever connected
+    finally:
+        listener.close()
+    assert result.startswith("unreachable ConnectionRefusedError") and result.endswith("403"), result
+    assert holders(docker_env) == []
+
+
+def test_without_a_build_grant_the_build_has_no_network(
+        docker_env: DockerEnv, mirror: Mirror, trixie: str, tmp_path: Path) -> None:  # noqa: F811
+    dockerfile = (f"FROM {trixie}\nRUN (grep -c : /proc/net/dev; env | grep -ci _proxy; "
+                  f"curl -sS -m 5 {RELEASE} -o /dev/null && echo fetched || echo failed) > /net\n")
+    tag = build(docker_env, tmp_path / "none", dockerfile, None)
+    # one interface (lo), no proxy variable, and the download fails
+    assert read_in_image(docker_env, tag, "/net").split() == ["1", "0", "failed"]
+
+
+def test_a_base_image_missing_from_the_engine_is_a_build_failure_naming_it(
+        docker_env: DockerEnv, mirror: Mirror, tmp_path: Path) -> None:  # noqa: F811
+    with pytest.raises(BuildFailed) as failed:
+        build(docker_env, tmp_path / "nobase", "FROM rollout-buffer-test-absent:none\nRUN true\n",
+              grant(mirror, "pypi.org"))
+    assert "base image 'rollout-buffer-test-absent:none', which is not in the Docker Engine" in str(failed.value)
+
+
+def test_the_holder_runs_the_first_real_stage_base() -> None:
+    text = "ARG X=1\nFROM golang:1 AS tools\nFROM tools AS b\nfrom  --platform=linux/amd64 debian:trixie as final\n"
+    assert base_image(text) == "golang:1"
+    assert base_image("FROM scratch AS s\nFROM s\nFROM python:3.13 AS p\n") == "python:3.13"
+    assert base_image("# no FROM\n") is None
+
+
+def test_tasks_check_build_takes_the_build_grant(
+        docker_env: DockerEnv, mirror: Mirror, trixie: str, tmp_path: Path) -> None:  # noqa: F811
+    task = tmp_path / "fetches"
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "instruction.md").write_text("Nothing.\n")
+    (task / "task.toml").write_text('version = "1.0"\n\n[environment]\nbuild_timeout_sec = 120.0\n')
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    (task / "environment" / "Dockerfile").write_text(f"FROM {trixie}\nRUN curl -fsS {RELEASE} -o /r.txt\n")
+
+    def check(*grants: str) -> tuple[int, dict]:
+        done = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "tasks", "check", str(task), "--build",
+                               "--docker-host", docker_env.url, "--json", *grants], cwd=REPO, capture_output=True,
+                              text=True, timeout=200, check=False)
+        return done.returncode, json.loads(done.stdout or "{}")
+
+    mirrors = [a for m in mirror.mirrors() for a in ("--egress-mirror", m)]
+    code, report = check("--egress-build", "pypi.org", *mirrors)  # deb.debian.org not granted
+    row = report["tasks"][0]
+    assert code == 1 and row["image"] == "failed", report
+    assert "refused ['deb.debian.org:80']" in row["problems"][0]["message"] and "--egress-build" in row["problems"][0]["message"]
+    code, report = check("--egress-build", "deb.debian.org", *mirrors)
+    row = report["tasks"][0]
+    assert code == 0 and row["image"].startswith("rollout-buffer-harbor/fetches:"), report
+    remove_image(docker_env.url, row["image"])
+    assert holders(docker_env) == []
