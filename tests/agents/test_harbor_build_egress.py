@@ -181,3 +181,22 @@ def test_tasks_check_build_takes_the_build_grant(
     assert code == 0 and row["image"].startswith("rollout-buffer-harbor/fetches:"), report
     remove_image(docker_env.url, row["image"])
     assert holders(docker_env) == []
+
+
+def test_egress_build_reaches_a_worker_from_the_command_line_and_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_buffer.cli import build_parser, settings_from
+    from rollout_buffer.security.access import AccessPolicy
+    from rollout_buffer.settings import Settings
+    from rollout_buffer.tasks.contract import ServerFacts
+
+    args = build_parser().parse_args(["worker", "--egress-build", "deb.debian.org", "--egress-build", "*.pypi.org:443",
+                                      "--egress-mirror", "deb.debian.org=10.0.0.6:80"])
+    access = AccessPolicy.from_settings(settings_from(args))
+    server = ServerFacts(egress_build=access.egress_build, egress_mirror=access.egress_mirror)
+    assert BuildEgress.of(server) == BuildEgress(("deb.debian.org", "*.pypi.org:443"), ("deb.debian.org=10.0.0.6:80",))
+    assert BuildEgress.of(ServerFacts()) is None  # no grant: the build has no network
+    monkeypatch.setenv("ROLLOUT_BUFFER_EGRESS_BUILD", "deb.debian.org, pypi.org")
+    assert Settings().egress_build == ["deb.debian.org", "pypi.org"]
+    with pytest.raises(ValueError, match="egress host 'http://x': give host"):
+        Settings(egress_build=["http://x"])
