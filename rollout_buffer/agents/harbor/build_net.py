@@ -74,10 +74,12 @@ class BuildNetwork:
     proxy: EgressProxy | None = None
 
     def refusals(self) -> str:
-        """` (the build's egress refused [...]: grant them with --egress-build)`, or "" when none was refused."""
-        if self.proxy is None or not self.proxy.stats.refused:
+        """What a failed build's message adds: the hosts its egress refused, or that it had no network at all."""
+        if self.proxy is None:
+            return " (this build had no network: grant the hosts it downloads from with --egress-build)"
+        if not self.proxy.stats.refused:
             return ""
-        return (f" (the build's egress refused {sorted(self.proxy.stats.refused)}: grant them with --egress-build)")
+        return f" (the build's egress refused {sorted(self.proxy.stats.refused)}: grant them with --egress-build)"
 
 
 def base_image(dockerfile: str) -> str | None:
