@@ -200,3 +200,27 @@ def test_egress_build_reaches_a_worker_from_the_command_line_and_the_environment
     assert Settings().egress_build == ["deb.debian.org", "pypi.org"]
     with pytest.raises(ValueError, match="egress host 'http://x': give host"):
         Settings(egress_build=["http://x"])
+
+
+def test_a_holder_runs_unprivileged_and_one_a_dead_worker_left_is_swept(
+        docker_env: DockerEnv, trixie: str, tmp_path: Path) -> None:  # noqa: F811
+    from rollout_buffer.agents import docker_engine as engine
+    from rollout_buffer.agents.harbor.build_net import holder_spec
+
+    owner = f"rb-test-holder-{uuid.uuid4().hex[:8]}"
+    spec = holder_spec(trixie, str(tmp_path / "egress.sock"), 60.0, owner, "sweep")
+    host = spec["HostConfig"]
+    assert spec["User"] == engine.KEEPER_USER and host["CapDrop"] == ["ALL"] and host["NetworkMode"] == "none"
+    assert host["ReadonlyRootfs"] and host["SecurityOpt"] == ["no-new-privileges"] and not host["Privileged"]
+    spec["Labels"].update({engine.WORKER_LABEL: "999999999:1", engine.LIFE_LABEL: "an-earlier-life"})  # a dead worker's
+
+    async def left_and_swept() -> tuple[str, int]:
+        docker = engine.connect(docker_env.options())
+        try:
+            holder = await docker.containers.create(spec, name=engine.container_name("build-egress-sweep"))
+            return holder.id, await engine.remove_stale_containers(owner, docker_env.options())
+        finally:
+            await docker.close()
+
+    holder_id, removed = asyncio.run(left_and_swept())
+    assert removed == 1 and holder_id not in holders(docker_env)
