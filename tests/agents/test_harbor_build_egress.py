@@ -161,7 +161,9 @@ def test_tasks_check_build_takes_the_build_grant(
     (task / "environment").mkdir(parents=True)
     (task / "tests").mkdir()
     (task / "instruction.md").write_text("Nothing.\n")
-    (task / "task.toml").write_text('version = "1.0"\n\n[environment]\nbuild_timeout_sec = 120.0\n')
+    # a task that allows its container no internet: its build still reaches what the operator grants builds
+    (task / "task.toml").write_text('version = "1.0"\n\n[environment]\nbuild_timeout_sec = 120.0\n'
+                                    'allow_internet = false\n')
     (task / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
     (task / "environment" / "Dockerfile").write_text(f"FROM {trixie}\nRUN curl -fsS {RELEASE} -o /r.txt\n")
 
@@ -224,3 +226,11 @@ def test_a_holder_runs_unprivileged_and_one_a_dead_worker_left_is_swept(
 
     holder_id, removed = asyncio.run(left_and_swept())
     assert removed == 1 and holder_id not in holders(docker_env)
+
+
+def test_a_base_image_without_python3_is_a_build_failure_naming_it(
+        docker_env: DockerEnv, mirror: Mirror, tmp_path: Path) -> None:  # noqa: F811
+    image = docker_env.image_without_python()  # the forwarder's python3 is what the holder runs, as a sandbox's
+    with pytest.raises(BuildFailed) as failed:
+        build(docker_env, tmp_path / "nopython", f"FROM {image}\nRUN true\n", grant(mirror, "pypi.org"))
+    assert f"base image {image!r}, which cannot run its python3" in str(failed.value), str(failed.value)

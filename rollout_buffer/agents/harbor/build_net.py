@@ -151,9 +151,9 @@ async def build_network(docker: Any, dockerfile: Path, egress: BuildEgress | Non
             holder = await docker.containers.create(spec, name=engine.container_name(f"build-egress-{what}"))
             await holder.start()
         except engine.DockerError as exc:
-            missing = "not in the Docker Engine" if exc.status == 404 else "cannot run its python3"
+            missing = "is not in the Docker Engine" if exc.status == 404 else "cannot run its python3"
             raise HolderFailed(f"the build's egress runs its forwarder in the Dockerfile's base image {image!r}, "
-                               f"which is {missing}: {exc.message}") from exc
+                               f"which {missing}: {exc.message}") from exc
         await _wait_ready(holder, image)
         url = f"http://127.0.0.1:{EGRESS_PORT}"
         yield BuildNetwork({"networkmode": f"container:{holder.id}",
