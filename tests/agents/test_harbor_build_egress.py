@@ -234,3 +234,12 @@ def test_a_base_image_without_python3_is_a_build_failure_naming_it(
     with pytest.raises(BuildFailed) as failed:
         build(docker_env, tmp_path / "nopython", f"FROM {image}\nRUN true\n", grant(mirror, "pypi.org"))
     assert f"base image {image!r}, which cannot run its python3" in str(failed.value), str(failed.value)
+
+
+def test_tasks_check_refuses_a_bad_build_grant_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rollout_buffer.agents.harbor.check import cli_main
+
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["check", str(tmp_path), "--build", "--egress-build", "http://deb.debian.org"])
+    assert exited.value.code == 2
+    assert "egress allowlist entry 'http://deb.debian.org': use host, host:port or *.domain" in capsys.readouterr().err

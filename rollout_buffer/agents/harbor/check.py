@@ -288,7 +288,7 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
     check.add_argument("--egress-proxy", default="", metavar="URL", help="an upstream HTTP proxy, as serve's")
     args = parser.parse_args(argv)
     try:  # a bad grant is the command line's error, named, before anything runs
-        Allowlist.parse(args.egress_verifier), Allowlist.parse(args.egress_build), Mirrors.parse(args.egress_mirror), \
+        Allowlist.parse([*args.egress_verifier, *args.egress_build]), Mirrors.parse(args.egress_mirror)
         upstream_address(args.egress_proxy)
     except EgressConfigError as exc:
         parser.error(str(exc))

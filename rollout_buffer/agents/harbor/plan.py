@@ -71,8 +71,7 @@ async def harbor_options(sample: dict[str, Any], options: dict[str, Any], lock: 
     except ComposeError as exc:
         raise BuildFailed(f"harbor task {harbor['name']!r}: {exc}") from exc
     if group is not None:
-        extra["sidecars"] = [(sidecar, await service_image(harbor, sidecar, options, lock, cache,
-                                                                   build_egress))
+        extra["sidecars"] = [(sidecar, await service_image(harbor, sidecar, options, lock, cache, build_egress))
                              for sidecar in group.sidecars]
     if harbor.get("agent_user"):  # the run's own `user` wins (an unprivileged agent, when the run asks for one)
         extra["task_user"] = harbor["agent_user"]
