@@ -49,11 +49,13 @@ def grant(mirror: Mirror, *hosts: str) -> BuildEgress:
     return BuildEgress(hosts, tuple(mirror.mirrors()))
 
 
-def holders(env: DockerEnv) -> list[str]:
+def holders(env: DockerEnv, task: str | None = None) -> list[str]:
+    """The Engine's build holders (of `task`'s builds only, when named: other files' builds may run at once)."""
     filters = quote(json.dumps({"label": [f"{HOLDER_LABEL}=1"]}))
     status, body = _request(env.url, "GET", f"/containers/json?all=1&filters={filters}", timeout=30.0)
     assert status == 200, body
-    return [c["Id"] for c in json.loads(body)]
+    return [c["Id"] for c in json.loads(body)
+            if task is None or (c.get("Labels") or {}).get("rollout-buffer.name") == f"build-egress {task}"]
 
 
 def build(env: DockerEnv, root: Path, dockerfile: str, egress: BuildEgress | None) -> str:
@@ -65,7 +67,7 @@ def build(env: DockerEnv, root: Path, dockerfile: str, egress: BuildEgress | Non
     try:
         asyncio.run(ensure_image(tag, recipe, env.options()))
     finally:
-        assert holders(env) == []  # removed whatever the outcome
+        assert holders(env, root.name) == []  # removed whatever the outcome
     return tag
 
 
@@ -128,7 +130,7 @@ def test_a_run_step_reaches_no_host_loopback_port_but_the_forwarder(
     finally:
         listener.close()
     assert result.startswith("unreachable ConnectionRefusedError") and result.endswith("403"), result
-    assert holders(docker_env) == []
+    assert holders(docker_env, "loopback") == []
 
 
 def test_without_a_build_grant_the_build_has_no_network(
@@ -182,7 +184,7 @@ def test_tasks_check_build_takes_the_build_grant(
     row = report["tasks"][0]
     assert code == 0 and row["image"].startswith("rollout-buffer-harbor/fetches:"), report
     remove_image(docker_env.url, row["image"])
-    assert holders(docker_env) == []
+    assert holders(docker_env, "fetches") == []
 
 
 def test_egress_build_reaches_a_worker_from_the_command_line_and_the_environment(
@@ -216,16 +218,17 @@ def test_a_holder_runs_unprivileged_and_one_a_dead_worker_left_is_swept(
     assert host["ReadonlyRootfs"] and host["SecurityOpt"] == ["no-new-privileges"] and not host["Privileged"]
     spec["Labels"].update({engine.WORKER_LABEL: "999999999:1", engine.LIFE_LABEL: "an-earlier-life"})  # a dead worker's
 
-    async def left_and_swept() -> tuple[str, int]:
+    async def left_and_swept() -> tuple[str, list[str], int]:
         docker = engine.connect(docker_env.options())
         try:
             holder = await docker.containers.create(spec, name=engine.container_name("build-egress-sweep"))
-            return holder.id, await engine.remove_stale_containers(owner, docker_env.options())
+            left = holders(docker_env, "sweep")  # found by the name the tests look for holders by
+            return holder.id, left, await engine.remove_stale_containers(owner, docker_env.options())
         finally:
             await docker.close()
 
-    holder_id, removed = asyncio.run(left_and_swept())
-    assert removed == 1 and holder_id not in holders(docker_env)
+    holder_id, left, removed = asyncio.run(left_and_swept())
+    assert holder_id in left and removed == 1 and holder_id not in holders(docker_env)
 
 
 def test_a_base_image_without_python3_is_a_build_failure_naming_it(
