@@ -195,10 +195,13 @@ def test_egress_build_reaches_a_worker_from_the_command_line_and_the_environment
     from rollout_buffer.tasks.contract import ServerFacts
 
     args = build_parser().parse_args(["worker", "--egress-build", "deb.debian.org", "--egress-build", "*.pypi.org:443",
-                                      "--egress-mirror", "deb.debian.org=10.0.0.6:80"])
+                                      "--egress-mirror", "deb.debian.org=10.0.0.6:80",
+                                      "--egress-proxy", "http://proxy.internal:3128"])
     access = AccessPolicy.from_settings(settings_from(args))
-    server = ServerFacts(egress_build=access.egress_build, egress_mirror=access.egress_mirror)
-    assert BuildEgress.of(server) == BuildEgress(("deb.debian.org", "*.pypi.org:443"), ("deb.debian.org=10.0.0.6:80",))
+    server = ServerFacts(egress_build=access.egress_build, egress_mirror=access.egress_mirror,
+                         egress_proxy=access.egress_proxy)
+    assert BuildEgress.of(server) == BuildEgress(("deb.debian.org", "*.pypi.org:443"), ("deb.debian.org=10.0.0.6:80",),
+                                                 "http://proxy.internal:3128")  # the phases' mirrors and upstream
     assert BuildEgress.of(ServerFacts()) is None  # no grant: the build has no network
     monkeypatch.setenv("ROLLOUT_BUFFER_EGRESS_BUILD", "deb.debian.org, pypi.org")
     assert Settings().egress_build == ["deb.debian.org", "pypi.org"]
