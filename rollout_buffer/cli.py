@@ -46,6 +46,10 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--egress-verifier", action="append", metavar="HOST",
                         help="a host a Harbor task's verifier may reach through its egress proxy (repeatable; "
                              "default: none), e.g. the package index its test.sh installs from")
+    parser.add_argument("--egress-build", action="append", metavar="HOST",
+                        help="a host a Harbor task's image build (its Dockerfile's RUN steps) may reach through an "
+                             "egress proxy, e.g. the package archive it installs from (repeatable; default: none, "
+                             "the build has no network)")
     parser.add_argument("--egress-proxy", metavar="URL",
                         help="an upstream HTTP proxy (http://host:port) that dials for the egress proxies")
     parser.add_argument("--egress-mirror", action="append", metavar="HOST=ADDR:PORT",

@@ -134,6 +134,8 @@ class Settings(BaseSettings):
     # *.domain. The agent's phase reaches nothing but the model by default; the verifier's only these hosts.
     egress_agent: Annotated[list[str], NoDecode] = Field(default_factory=list)
     egress_verifier: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Hosts a Harbor task's image build reaches through an egress proxy (none: the build has no network).
+    egress_build: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # An upstream HTTP proxy (http://host:port) that dials for the egress proxies (which stay the filter).
     egress_proxy: str | None = None
     # Allowed hosts served by the operator's mirror: `host=addr:port` or `host:port=addr:port` (the host is still
@@ -226,7 +228,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"--agent-sandbox {name!r}: give bwrap, docker, local or 'package.module:factory'")
         return list(dict.fromkeys(value))
 
-    @field_validator("egress_agent", "egress_verifier")
+    @field_validator("egress_agent", "egress_verifier", "egress_build")
     @classmethod
     def _egress_hosts(cls, value: list[str]) -> list[str]:
         for host in value:  # the syntax `rollout_buffer.agents.egress.Allowlist` reads
@@ -243,7 +245,7 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("allow_url", "allowed_host", "cors_origin", "agent_sandbox", "egress_agent", "egress_verifier",
-                     "egress_mirror", mode="before")
+                     "egress_mirror", "egress_build", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:
         # URLs and factory paths contain ':', so the environment form separates them with commas or whitespace

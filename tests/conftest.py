@@ -87,6 +87,7 @@ LONG_FILES = (
     "tests/agents/test_fleet.py",  # ~60 (three Docker Engines in network namespaces)
     "tests/agents/test_harbor_cli_presets.py",  # ~50
     "tests/agents/test_harbor_tb2.py",  # ~35 (a Debian trixie image built once per checkout)
+    "tests/agents/test_harbor_tb2_build.py",  # ~60 (a build that apt-installs pip, two runs, three checks)
     "tests/agents/test_reward_integrity.py",  # ~130 at load (Harbor verifications in every mode)
     "tests/adapter/test_dynamic_filter.py",  # up to ~180
     "tests/api/test_fuzz_api.py",  # ~190

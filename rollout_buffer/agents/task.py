@@ -44,6 +44,7 @@ from typing import Any
 from rollout_buffer.agents.config import AgentConfig, AgentConfigError, fill, parse
 from rollout_buffer.agents.egress import EgressProxy, Mirrors
 from rollout_buffer.agents.harbor.network import phase_allowlist, proxy_env
+from rollout_buffer.agents.harbor.build_net import BuildEgress
 from rollout_buffer.agents.harbor.plan import harbor_config, harbor_options
 from rollout_buffer.agents.model_relay import RelayLimits
 from rollout_buffer.agents.pool import Prepared, SandboxPool, prepare
@@ -302,7 +303,8 @@ async def _sandbox(ctx: RolloutContext, config: AgentConfig, session: dict[str, 
         options["image"] = sample["image"]
     egress = None
     if sample.get("harbor"):
-        options = await harbor_options(sample, options, ctx.server.host_lock, ctx.server.image_cache)
+        options = await harbor_options(sample, options, ctx.server.host_lock, ctx.server.image_cache,
+                                       BuildEgress.of(ctx.server))
         allow = phase_allowlist(sample["harbor"], "agent", ctx.server.egress)
         if allow is not None and allow.entries:  # the operator grants the agent hosts, and the task wants them
             egress = await EgressProxy(allow, upstream=ctx.server.egress_proxy or None,

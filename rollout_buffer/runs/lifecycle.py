@@ -271,6 +271,7 @@ async def start_run(store: Store, registry: TaskRegistry, request: StartRolloutR
     server = (ServerFacts(agent_sandboxes=access.agent_sandboxes, input_roots=tuple(str(r) for r in access.roots),
                           egress_agent=access.egress_agent, egress_verifier=access.egress_verifier,
                           egress_proxy=access.egress_proxy, egress_mirror=access.egress_mirror,
+                          egress_build=access.egress_build,
                           task_limits=task_limits,
                           allowed_urls=tuple(access.allowed_urls))
               if access is not None else ServerFacts(task_limits=task_limits))

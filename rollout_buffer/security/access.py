@@ -62,6 +62,7 @@ class AccessPolicy:
     agent_sandboxes: tuple[str, ...] = ()  # `--agent-sandbox`: the backends agent commands may run in
     egress_agent: tuple[str, ...] = ()  # `--egress-agent`: hosts agents of tasks that allow internet may reach
     egress_verifier: tuple[str, ...] = ()  # `--egress-verifier`: hosts a Harbor task's verifier may reach
+    egress_build: tuple[str, ...] = ()  # `--egress-build`: hosts a Harbor task's image build may reach
     egress_proxy: str = ""  # `--egress-proxy`: the upstream proxy that dials for them
     egress_mirror: tuple[str, ...] = ()  # `--egress-mirror`: allowed hosts dialed at the operator's mirror
     show_roots: bool = False  # name the roots in a refusal (a loopback server: its caller is on its machine)
@@ -79,6 +80,7 @@ class AccessPolicy:
                    agent_sandboxes=tuple(getattr(settings, "agent_sandbox", ()) or ()),
                    egress_agent=tuple(getattr(settings, "egress_agent", ()) or ()),
                    egress_verifier=tuple(getattr(settings, "egress_verifier", ()) or ()),
+                   egress_build=tuple(getattr(settings, "egress_build", ()) or ()),
                    egress_proxy=str(getattr(settings, "egress_proxy", "") or ""),
                    egress_mirror=tuple(getattr(settings, "egress_mirror", ()) or ()),
                    show_roots=is_loopback(str(getattr(settings, "host", "") or "")))

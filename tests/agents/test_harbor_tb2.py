@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +24,7 @@ from tests.support.docker_env import DockerEnv, docker_env  # noqa: F401 - the s
 from tests.support.harbor_tasks import scripted_agent
 from tests.support.helpers import REPO, ServerProcess, ServerSpec
 from tests.support.runtime_helpers import drain, run_detail, wait_status
-from tests.support.tb2_mirror import Mirror, base_image, published_hashes, rebase, running_mirror
+from tests.support.tb2_mirror import Mirror, base_image, check_solutions, published_hashes, rebase, running_mirror
 
 pytestmark = pytest.mark.timeout(900)
 FIXTURES = REPO / "tests" / "fixtures" / "terminal_bench_2"
@@ -51,19 +49,15 @@ def dataset(docker_env: DockerEnv, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def grants(mirror: Mirror) -> list[str]:
     """The `--egress-*` options of an operator whose mirrors serve TB2's hosts."""
-    return [*(a for h in mirror.grants() for a in ("--egress-verifier", h)),
-            *(a for m in mirror.mirrors() for a in ("--egress-mirror", m))]
+    return mirror.options()
 
 
 def check(dataset: Path, env: DockerEnv, *extra: str) -> tuple[int, dict[str, Any]]:
-    done = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "tasks", "check", str(dataset), "--solutions",
-                           "--force-build", "--docker-host", env.url, "--json", *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
-    return done.returncode, json.loads(done.stdout or "{}")
+    return check_solutions(dataset, env.url, *extra)
 
 
 def test_the_fixtures_are_the_published_files_and_only_from_changes(tmp_path: Path) -> None:
-    for task in TASKS:
+    for task in json.loads((FIXTURES / "PUBLISHED.json").read_text()):  # every task kept here
         for name, digest in published_hashes(FIXTURES / task)["files"].items():
             assert hashlib.sha256((FIXTURES / task / name).read_bytes()).hexdigest() == digest, (task, name)
         copy = rebase(FIXTURES / task, tmp_path / task, "rollout-buffer-test-tb2:x")

@@ -7,7 +7,9 @@ install.sh | sh` and `uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 py
   signed by a test CA): `/uv/<version>/install.sh` installs uv from the `uv` wheel it serves beside it (into
   `~/.local/bin`, with Astral's `~/.local/bin/env`), `/simple/<project>/` is a PEP 503 index of the cached wheels
   and `/packages/<file>` serves them. The wheels are `pip download`ed from PyPI once, cached.
-- HTTP for `deb.debian.org`: an empty trixie archive (`apt-get update` succeeds; curl is already in the image).
+- HTTP for `deb.debian.org`: a trixie archive, empty (`apt-get update` succeeds; curl is already in the image) or
+  holding the packages a task's Dockerfile installs (`running_mirror(packages=...)`: Debian trixie's own .debs,
+  `apt-get download`ed from Debian's archive once, cached; their `Packages` index and `Release` made here).
 The image: Debian trixie (its python3 is 3.13, so `uvx -p 3.13` downloads no Python) with curl, built with
 mmdebstrap (`docker_env`), the test CA added to its trust store, `SSL_CERT_FILE` naming that store (uv reads
 it), and apt's source marked trusted (the stand-in archive is unsigned). The CA is made once and cached, so the
@@ -49,9 +51,9 @@ WHEELS = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", f"uv=={UV_VERSION}")
 HTTPS_HOSTS = ("astral.sh", "pypi.org", "files.pythonhosted.org")
 SUITE, INCLUDE = "trixie", ("python3", "ca-certificates", "curl", "bash", "procps")
 FOLDER = CACHE / "tb2-mirror"
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 RELEASE = ("Origin: rollout-buffer test mirror\nSuite: trixie\nCodename: trixie\nDate: Sat, 01 Nov 2025 00:00:00 UTC\n"
-           f"Architectures: amd64\nComponents: main\nSHA256:\n {EMPTY_SHA256} 0 main/binary-amd64/Packages\n")
+           "Architectures: amd64\nComponents: main\nSHA256:\n {sha256} {size} main/binary-amd64/Packages\n")
+DEBIAN = "http://deb.debian.org/debian"  # where `debs` fetches trixie's packages from, at test set-up only
 INSTALL_SH = """#!/bin/sh
 # A stand-in for Astral's uv installer: uv {version} from its wheel, into $HOME/.local/bin, with the env file.
 set -eu
@@ -94,6 +96,44 @@ def wheels() -> Path:
                 pytest.fail(f"pip download of {WHEELS} failed: {done.stderr[-2000:]}")
             (folder / ".complete").write_text("\n".join(WHEELS))
     return folder
+
+
+def debs(names: tuple[str, ...]) -> Path:
+    """Debian trixie's .debs of `names` (each named, its dependencies too: apt does not resolve them here),
+    `apt-get download`ed from Debian's archive once into the cache, with a private apt state (the host's is
+    untouched)."""
+    folder = FOLDER / "debs"
+    with _locked("debs"):
+        present = {p.name.split("_", 1)[0] for p in folder.glob("*.deb")}
+        missing = [name for name in names if name not in present]
+        if missing:
+            state = folder / ".apt"
+            for sub in ("lists/partial", "cache/archives/partial"):
+                (state / sub).mkdir(parents=True, exist_ok=True)
+            (state / "sources.list").write_text(
+                f"deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {DEBIAN} trixie main\n")
+            apt = ["apt-get", "-q", "-o", f"Dir::Etc::SourceList={state}/sources.list", "-o",
+                   "Dir::Etc::SourceParts=/dev/null", "-o", f"Dir::State::Lists={state}/lists", "-o",
+                   f"Dir::Cache={state}/cache", "-o", "APT::Architecture=amd64", "-o", "Acquire::Languages=none",
+                   "-o", "APT::Sandbox::User=root"]
+            for argv in ([*apt, "update"], [*apt, "download", *missing]):
+                done = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=300, check=False)
+                if done.returncode != 0:
+                    pytest.fail(f"{' '.join(argv[-2:])} from Debian trixie failed: {done.stderr[-2000:]}")
+    return folder
+
+
+def archive_index(folder: Path | None, names: tuple[str, ...]) -> tuple[bytes, dict[str, Path]]:
+    """The trixie archive's `Packages` index of the cached .debs of `names`, and its files by pool path."""
+    paragraphs, files = [], {}
+    for name in names:
+        deb = next((folder or Path()).glob(f"{name}_*.deb"))
+        control = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True, timeout=30,
+                                 check=True).stdout.rstrip("\n")
+        files[f"pool/main/{deb.name}"] = deb
+        paragraphs.append(f"{control}\nFilename: pool/main/{deb.name}\nSize: {deb.stat().st_size}\n"
+                          f"SHA256: {_sha256(deb)}\n")
+    return "\n".join(paragraphs).encode(), files
 
 
 def _name(subject: str) -> x509.Name:
@@ -164,9 +204,27 @@ class Mirror:
         return [*(f"{h}:443=127.0.0.1:{self.https_port}" for h in HTTPS_HOSTS),
                 f"deb.debian.org:80=127.0.0.1:{self.http_port}"]
 
+    def options(self, *, build: bool = False) -> list[str]:
+        """The `--egress-*` options of an operator whose mirrors serve TB2's hosts to the verifier (and, with
+        `build`, the Debian archive to image builds)."""
+        return [*(a for h in self.grants() for a in ("--egress-verifier", h)),
+                *(("--egress-build", "deb.debian.org") if build else ()),
+                *(a for m in self.mirrors() for a in ("--egress-mirror", m))]
 
-def mirror_app(folder: Path, mirror: Mirror) -> web.Application:
+
+def check_solutions(dataset: Path, engine_url: str, *extra: str) -> tuple[int, dict]:
+    """`rollout-buffer tasks check DATASET --solutions --force-build --json` on the Engine: (exit status, report)."""
+    done = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "tasks", "check", str(dataset), "--solutions",
+                           "--force-build", "--docker-host", engine_url, "--json", *extra],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600,
+                          check=False)
+    return done.returncode, json.loads(done.stdout or "{}")
+
+
+def mirror_app(folder: Path, mirror: Mirror, packages: tuple[str, ...] = ()) -> web.Application:
     files = {p.name: p for p in folder.glob("*.whl")}
+    index, pool = archive_index(debs(packages) if packages else None, packages)
+    release = RELEASE.format(sha256=hashlib.sha256(index).hexdigest(), size=len(index))
     uv_wheel = next(name for name in files if name.startswith(f"uv-{UV_VERSION}-"))
 
     @web.middleware
@@ -192,10 +250,10 @@ def mirror_app(folder: Path, mirror: Mirror) -> web.Application:
     async def apt(request: web.Request) -> web.Response:
         path = request.match_info["path"]
         if path == "dists/trixie/Release":
-            return web.Response(text=RELEASE)
+            return web.Response(text=release)
         if path == "dists/trixie/main/binary-amd64/Packages":
-            return web.Response(body=b"")
-        return web.Response(status=404)
+            return web.Response(body=index)
+        return web.FileResponse(pool[path]) if path in pool else web.Response(status=404)
 
     app = web.Application(middlewares=[record])
     app.router.add_get("/uv/{version}/{file}", wheel)
@@ -257,13 +315,13 @@ def rebase(task: Path, target: Path, image: str) -> Path:
 
 
 @contextlib.contextmanager
-def running_mirror() -> Iterator[Mirror]:
+def running_mirror(packages: tuple[str, ...] = ()) -> Iterator[Mirror]:
     """The stand-ins on 127.0.0.1 (HTTPS and HTTP), served from a thread of their own (the server under test and
-    `tasks check` run in other processes), stopped on exit."""
+    `tasks check` run in other processes), stopped on exit; the archive holds trixie's `packages`."""
     mirror = Mirror()
     loop = asyncio.new_event_loop()
     with tempfile.TemporaryDirectory(prefix="rb-tb2-mirror-") as folder:
-        app, context = mirror_app(wheels(), mirror), server_context(Path(folder))
+        app, context = mirror_app(wheels(), mirror, packages), server_context(Path(folder))
         runner = web.AppRunner(app, access_log=None)
 
         async def start() -> None:

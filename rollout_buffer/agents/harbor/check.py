@@ -2,7 +2,8 @@
 
 Every task folder is parsed as a run would parse it; with `--pull` each image a task names is pulled when the
 Engine lacks it (never built: one line per image, a failure naming it); with `--build` each task's image is
-found, pulled or built (as a rollout would, cached by content hash); the USER column says who the agent runs
+found, pulled or built (as a rollout would, cached by content hash; a build reaches the `--egress-build` hosts
+only, as a run's); the USER column says who the agent runs
 as (the run's `--user`, else the task's `[agent] user`, else the image's USER, else root, as in Harbor); with
 `--solutions` the task's `solution/` is uploaded to `/solution` in a fresh container of its image (no network, the task's limits), `bash /solution/solve.sh` runs as the
 agent user would run, and the task's own verifier scores it: a sound task scores 1. It is scored under the
@@ -24,6 +25,7 @@ from typing import Any
 
 from rollout_buffer.agents.docker_engine import image_exists
 from rollout_buffer.agents.egress import Allowlist, EgressConfigError, Mirrors, upstream_address
+from rollout_buffer.agents.harbor.build_net import BuildEgress
 from rollout_buffer.agents.harbor.images import Recipe, ensure_image, folder_tar, image_user, task_image
 from rollout_buffer.agents.harbor.network import phase_allowlist
 from rollout_buffer.agents.harbor.plan import compose_variables, harbor_options
@@ -69,7 +71,7 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any], network:
     limits = Limits(cpus=float(harbor["cpus"]), memory_bytes=int(harbor["memory_mb"]) << 20,
                     disk_mb=int(harbor["storage_mb"]))
     box: Any = await open_sandbox("docker", name=f"check-{harbor['name']}", limits=limits,
-                                  options=await harbor_options(sample, options))  # as a rollout's: image, workdir
+                                  options=await harbor_options(sample, options, build_egress=network.build_egress))
     try:
         data = await asyncio.to_thread(folder_tar, Path(harbor["dir"]) / "solution")
         up = await box.exec_root(["sh", "-c", "rm -rf /solution && mkdir -p /solution && tar -x -C /solution -f - "
@@ -107,12 +109,17 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any], network:
 
 @dataclass(frozen=True)
 class Network:
-    """The egress `tasks check --solutions` grants a task's verifier, as `serve` does (`--egress-verifier`,
-    `--egress-mirror`, `--egress-proxy`)."""
+    """The egress `tasks check` grants a task's verifier and its image build, as `serve` does (`--egress-verifier`,
+    `--egress-build`, `--egress-mirror`, `--egress-proxy`)."""
 
     verifier: tuple[str, ...] = ()
     mirrors: tuple[str, ...] = ()
     proxy: str = ""
+    build: tuple[str, ...] = ()
+
+    @property
+    def build_egress(self) -> BuildEgress | None:
+        return BuildEgress(self.build, self.mirrors, self.proxy) if self.build else None
 
     @property
     def egress(self) -> dict[str, tuple[str, ...]]:
@@ -189,7 +196,8 @@ async def check_dataset(dataset: str | Path, *, build: bool, solutions: bool, op
             continue
         if build or solutions:
             try:
-                row.image, workdir = await task_image(sample["harbor"], options)
+                row.image, workdir = await task_image(sample["harbor"], options,
+                                                      egress=(network or Network()).build_egress)
             except SandboxError as exc:
                 row.fail("image", str(exc))
                 continue
@@ -283,15 +291,20 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
     check.add_argument("--json", action="store_true", help="print the rows, every problem and warning, as JSON")
     check.add_argument("--egress-verifier", action="append", default=[], metavar="HOST",
                        help="a host each task's verifier may reach through its egress proxy, as serve's (repeatable)")
+    check.add_argument("--egress-build", action="append", default=[], metavar="HOST",
+                       help="a host each task's image build (its Dockerfile's RUN steps) may reach through an egress "
+                            "proxy, as serve's (repeatable; default: none, the build has no network)")
     check.add_argument("--egress-mirror", action="append", default=[], metavar="HOST=ADDR:PORT",
                        help="serve an allowed host from a mirror, as serve's (repeatable)")
     check.add_argument("--egress-proxy", default="", metavar="URL", help="an upstream HTTP proxy, as serve's")
     args = parser.parse_args(argv)
     try:  # a bad grant is the command line's error, named, before anything runs
-        Allowlist.parse(args.egress_verifier), Mirrors.parse(args.egress_mirror), upstream_address(args.egress_proxy)
+        Allowlist.parse([*args.egress_verifier, *args.egress_build]), Mirrors.parse(args.egress_mirror)
+        upstream_address(args.egress_proxy)
     except EgressConfigError as exc:
         parser.error(str(exc))
     return main(args.dataset, build=args.build or args.force_build, solutions=args.solutions,
                 docker_host=args.docker_host, as_json=args.json, limits=limits, force_build=args.force_build,
-                network=Network(tuple(args.egress_verifier), tuple(args.egress_mirror), args.egress_proxy),
+                network=Network(tuple(args.egress_verifier), tuple(args.egress_mirror), args.egress_proxy,
+                                tuple(args.egress_build)),
                 pull=args.pull, user=args.user)

@@ -3,7 +3,8 @@
 A built image is tagged `rollout-buffer-harbor/<task>:<hash of environment/>`, so it is built once per task
 and content and found in the Engine's cache after that, by every worker and every later run. The build runs
 through the Engine's API with no network (`networkmode: none`, nothing pulled: a `FROM` names an image the
-Engine has), under the task's `build_timeout_sec`. A named `docker_image` the Engine lacks is pulled from its
+Engine has), or, when the operator grants builds hosts (`--egress-build`), with an egress proxy to those hosts
+only (`build_net`), under the task's `build_timeout_sec`. A named `docker_image` the Engine lacks is pulled from its
 registry (credentials from the Docker client's config, `registry_auth`; a digest-pinned reference is pulled
 by its digest), unless the run's sandbox options say `pull: "never"`; `force_build: true` builds from
 `environment/Dockerfile` instead, as Harbor's `--force-build` does.
@@ -35,6 +36,7 @@ import aiohttp
 
 from rollout_buffer.agents import docker_engine as engine
 from rollout_buffer.agents.harbor import image_cache
+from rollout_buffer.agents.harbor.build_net import BuildEgress, HolderFailed, build_network
 from rollout_buffer.tasks.harbor_compose import Sidecar
 from rollout_buffer.agents.sandbox import SandboxError
 from rollout_buffer.tasks import host_events
@@ -131,13 +133,28 @@ class Recipe:
     dockerfile: str = "Dockerfile"
     timeout_s: float = PULL_TIMEOUT_S
     task: str = ""
+    egress: BuildEgress | None = None  # the hosts a build may reach (`--egress-build`); None: no network
 
 
-async def _build(docker: Any, recipe: Recipe, tag: str) -> None:
+async def _build(docker: Any, recipe: Recipe, tag: str, options: dict[str, Any]) -> None:
     assert recipe.context is not None
-    params = {"t": tag, "rm": "1", "forcerm": "1", "networkmode": "none", "pull": "0", "dockerfile": recipe.dockerfile,
+    params = {"t": tag, "rm": "1", "forcerm": "1", "pull": "0", "dockerfile": recipe.dockerfile,
               "labels": json.dumps({"rollout-buffer.harbor": "1", "rollout-buffer.task": recipe.task[:200]})}
     data = await asyncio.to_thread(folder_tar, recipe.context)
+    owner = str(options.get("owner") or engine.DEFAULT_OWNER)
+    try:
+        async with build_network(docker, recipe.context / recipe.dockerfile, recipe.egress, owner=owner,
+                                 timeout_s=recipe.timeout_s, what=recipe.task or recipe.context.name) as network:
+            try:
+                await _stream_build(docker, recipe, {**params, **network.params}, data)
+            except BuildFailed as exc:  # the hosts the build was refused, if any
+                raise BuildFailed(f"{exc}{network.refusals()}") from exc
+    except HolderFailed as exc:
+        raise BuildFailed(f"{recipe.what}: {exc}") from exc
+
+
+async def _stream_build(docker: Any, recipe: Recipe, params: dict[str, str], data: bytes) -> None:
+    assert recipe.context is not None
     log: list[str] = []
     timeout = aiohttp.ClientTimeout(total=recipe.timeout_s)
     async with docker._query("build", "POST", params=params, headers={"content-type": "application/x-tar"},
@@ -192,7 +209,7 @@ async def _make(docker: Any, recipe: Recipe, image: str, *, options: dict[str, A
             if found is not None:
                 return found
             try:
-                await (_build(docker, recipe, image) if build else _pull(docker, recipe, image))
+                await (_build(docker, recipe, image, options) if build else _pull(docker, recipe, image))
             except BuildFailed as exc:
                 _failed[image] = (time.monotonic(), str(exc))
                 raise
@@ -248,13 +265,14 @@ def _source(harbor: dict[str, Any], options: dict[str, Any]) -> tuple[str, bool]
 
 
 async def task_image(harbor: dict[str, Any], options: dict[str, Any], lock: HostLock | None = None,
-                     cache: ImageCache | None = None) -> tuple[str, str]:
+                     cache: ImageCache | None = None, egress: BuildEgress | None = None) -> tuple[str, str]:
     """(image, its working folder) for a task: the named image (pulled when the Engine lacks it), or the built
-    one (built now when the Engine lacks it). BuildFailed / SandboxError when there is none to run."""
+    one (built now when the Engine lacks it, reaching `egress`'s hosts only). BuildFailed / SandboxError when
+    there is none to run."""
     image, build = _source(harbor, options)
     what = f"harbor task {harbor['name']!r}"
     recipe = (Recipe(what, Path(harbor["dir"]) / "environment", timeout_s=float(harbor["build_timeout_sec"]),
-                     task=str(harbor["name"])) if build else Recipe(what))
+                     task=str(harbor["name"]), egress=egress) if build else Recipe(what))
     found = await ensure_image(image, recipe, options, lock, cache)
     workdir = (found.get("Config") or {}).get("WorkingDir") or DEFAULT_WORKDIR
     return image, workdir
@@ -271,7 +289,8 @@ async def image_user(image: str, options: dict[str, Any]) -> str:
 
 
 async def service_image(harbor: dict[str, Any], sidecar: Sidecar, options: dict[str, Any],
-                        lock: HostLock | None = None, cache: ImageCache | None = None) -> str:
+                        lock: HostLock | None = None, cache: ImageCache | None = None,
+                        egress: BuildEgress | None = None) -> str:
     """A multi-container task's service image: its `image` (pulled when missing) or built from its context."""
     what = f"harbor task {harbor['name']!r} service {sidecar.name!r}"
     if sidecar.build_context is None:
@@ -282,5 +301,5 @@ async def service_image(harbor: dict[str, Any], sidecar: Sidecar, options: dict[
     digest = environment_hash(context, str(harbor["name"]))
     tag = image_tag({"name": f"{harbor['name']}-{sidecar.name}"}, f"{digest[:32]}")
     await ensure_image(tag, Recipe(what, context, sidecar.dockerfile, float(harbor["build_timeout_sec"]),
-                                   str(harbor["name"])), options, lock, cache)
+                                   str(harbor["name"]), egress), options, lock, cache)
     return tag

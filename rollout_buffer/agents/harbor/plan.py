@@ -17,6 +17,7 @@ from typing import Any
 
 from rollout_buffer.agents.config import AgentConfig, AgentConfigError
 from rollout_buffer.tasks.harbor_compose import ComposeError, read_compose
+from rollout_buffer.agents.harbor.build_net import BuildEgress
 from rollout_buffer.agents.harbor.images import BuildFailed, HostLock, ImageCache, service_image, task_image
 from rollout_buffer.agents.harbor.verify import harbor_verifier
 from rollout_buffer.agents.sandbox import factory_path
@@ -58,18 +59,19 @@ def harbor_config(config: AgentConfig, sample: dict[str, Any],
 
 
 async def harbor_options(sample: dict[str, Any], options: dict[str, Any], lock: HostLock | None = None,
-                         cache: ImageCache | None = None) -> dict[str, Any]:
+                         cache: ImageCache | None = None, build_egress: BuildEgress | None = None) -> dict[str, Any]:
     """The sandbox options for this task: its image (pulled or built now if need be, once per Engine under
-    `lock`), its working folder (task.toml's `[environment] workdir`, else the image's) and its sidecars."""
+    `lock`, a build reaching `build_egress`'s hosts only), its working folder (task.toml's `[environment]
+    workdir`, else the image's) and its sidecars."""
     harbor = sample["harbor"]
-    image, workdir = await task_image(harbor, options, lock, cache)
+    image, workdir = await task_image(harbor, options, lock, cache, build_egress)
     extra: dict[str, Any] = {}
     try:
         group = read_compose(Path(harbor["dir"]) / "environment", compose_variables(harbor, image))
     except ComposeError as exc:
         raise BuildFailed(f"harbor task {harbor['name']!r}: {exc}") from exc
     if group is not None:
-        extra["sidecars"] = [(sidecar, await service_image(harbor, sidecar, options, lock, cache))
+        extra["sidecars"] = [(sidecar, await service_image(harbor, sidecar, options, lock, cache, build_egress))
                              for sidecar in group.sidecars]
     if harbor.get("agent_user"):  # the run's own `user` wins (an unprivileged agent, when the run asks for one)
         extra["task_user"] = harbor["agent_user"]
