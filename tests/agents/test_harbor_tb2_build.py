@@ -6,13 +6,12 @@ python3-pip`. The operator grants builds the Debian archive (`--egress-build deb
 `--egress-mirror` to the stand-in archive on loopback, which serves Debian trixie's own python3-pip .debs
 (fetched from Debian's archive at set-up, `tb2_mirror.debs`). Without the grant the build has no network and
 fails as an infrastructure failure saying so; with it the image holds pip, and through `tasks check
---solutions` the solution scores 1 and no answer 0, by the task's own test.sh. A run takes the grant the same way:
-without it the rollout is a counted `sandbox_error` saying the build had no network, with it the image is built
-and test.sh scores the agent's (empty) answer 0."""
+--solutions` the solution scores 1 by the task's own test.sh. A run takes the grant the same way: without it the
+rollout is a counted `sandbox_error` saying the build had no network, with it the image is built and test.sh
+scores the agent's (empty) answer 0."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -81,16 +80,6 @@ def test_with_the_archive_granted_the_image_holds_pip_and_the_solution_scores_1(
     pip = subprocess.run(["docker", "-H", docker_env.url, "run", "--rm", "--network", "none", row["image"], "python3",
                           "-m", "pip", "--version"], capture_output=True, text=True, timeout=60, check=False)
     assert pip.returncode == 0 and pip.stdout.startswith("pip 25."), pip.stderr
-
-
-def test_no_answer_scores_0(dataset: Path, mirror: Mirror, docker_env: DockerEnv, tmp_path: Path) -> None:  # noqa: F811
-    unsolved = tmp_path / TASK  # the same task (its image found built) with a solution that answers nothing
-    shutil.copytree(dataset / TASK, unsolved)
-    (unsolved / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
-    code, report = check_solutions(unsolved, docker_env.url, *mirror.options(build=True))
-    row = report["tasks"][0]
-    assert code == 1 and row["solution"] == "reward 0", report
-    assert row["problems"] == [{"field": "solution", "message": "the reference solution scored 0, not 1"}], report
 
 
 def _run(dataset: Path, env: DockerEnv, engine: Any, tokenizer: str, data: Path, *options: str) -> tuple[dict, list]:
