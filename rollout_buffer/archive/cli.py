@@ -20,7 +20,7 @@ from rollout_buffer.archive import export as exporting
 from rollout_buffer.archive import reverify as reverifying
 from rollout_buffer.archive.sink import RUN_FILE
 
-HarborFactory = Callable[..., Any]  # (run folder, task folders, tests=, options=) -> async reward(record)
+HarborFactory = Callable[..., Any]  # (run folder, task folders, tests=, options=, network=) -> async reward(record)
 
 
 def _folder_flags(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +91,15 @@ def _reward_fn(args: argparse.Namespace, folder: Path, harbor: HarborFactory | N
         if harbor is None:
             raise reverifying.ReverifyError("Harbor re-verification is not available in this entry point")
         options = {"docker_host": args.docker_host} if args.docker_host else {}
-        return harbor(folder, args.harbor_tasks, tests=args.tests, options=options), f"harbor:{args.harbor_tasks.name}"
+        network = {"verifier": tuple(args.egress_verifier), "mirrors": tuple(args.egress_mirror),
+                   "proxy": args.egress_proxy}
+        try:
+            fn = harbor(folder, args.harbor_tasks, tests=args.tests, options=options, network=network)
+        except ValueError as exc:  # a bad egress grant, named before anything runs
+            raise reverifying.ReverifyError(str(exc)) from exc
+        return fn, f"harbor:{args.harbor_tasks.name}"
+    if args.egress_verifier or args.egress_mirror or args.egress_proxy:
+        raise reverifying.ReverifyError("--egress-verifier, --egress-mirror and --egress-proxy need --harbor-tasks")
     if args.tests:
         raise reverifying.ReverifyError("--tests needs --harbor-tasks (the run's Harbor task folders)")
     if args.judge:
@@ -135,6 +143,13 @@ def reverify_main(argv: list[str], harbor: HarborFactory | None = None) -> int:
                         help="with --harbor-tasks: new tests, a tests/ folder for every task or DIR/<task>/tests/")
     parser.add_argument("--docker-host", help="with --harbor-tasks: the Docker Engine (default: DOCKER_HOST, else "
                                               "/var/run/docker.sock)")
+    parser.add_argument("--egress-verifier", action="append", default=[], metavar="HOST",
+                        help="with --harbor-tasks: a host the tests may reach through their egress proxy, as serve's "
+                             "(repeatable; a networked task's tests are refused every host without it)")
+    parser.add_argument("--egress-mirror", action="append", default=[], metavar="HOST=ADDR:PORT",
+                        help="with --harbor-tasks: serve an allowed host from a mirror, as serve's (repeatable)")
+    parser.add_argument("--egress-proxy", default="", metavar="URL",
+                        help="with --harbor-tasks: an upstream HTTP proxy, as serve's")
     args = parser.parse_args(argv)
     folder = _run_folder(args)
     try:

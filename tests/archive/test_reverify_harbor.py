@@ -6,10 +6,14 @@ kept), and the engine gets no call."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,38 @@ def _cli(*args: str) -> dict[str, Any]:
     return orjson.loads(done.stdout)
 
 
+FETCHING_TEST = ("#!/bin/bash\npython3 - <<'PY'\nimport urllib.request\ntry:\n"
+                 "    want = urllib.request.urlopen('http://HOST/answer', timeout=10).read().decode()\n"
+                 "except Exception as exc:\n    print('fetch failed:', exc)\n    want = None\n"
+                 "got = open('/app/answer.txt').read().strip()\n"
+                 "open('/logs/verifier/reward.txt', 'w').write('1' if got == want else '0')\nPY\n")
+
+
+@contextlib.contextmanager
+def answer_host(answer: str) -> Iterator[str]:
+    """A host on 127.0.0.2 (not a loopback name the proxy variables exempt) serving the expected answer."""
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            body = answer.encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.2", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.2:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
 def _rows(folder: Path) -> dict[str, dict[str, Any]]:
     return {r["instance_id"]: r for r in ds.dataset(str(folder), format="parquet").to_table().to_pylist()}
 
@@ -46,8 +82,11 @@ def _rows(folder: Path) -> dict[str, dict[str, Any]]:
 def test_harbor_reverify_in_fresh_containers(tmp_path: Path, docker_env: DockerEnv,  # noqa: F811
                                              rollout_engine: Any, qwen_tokenizer_path: str) -> None:
     tasks, archive = tmp_path / "tasks", tmp_path / "archive"
-    write_task(tasks, "right", docker_env.image, "echo 7919 > /app/answer.txt", _checks("7919"))
-    write_task(tasks, "wrong", docker_env.image, "echo 7917 > /app/answer.txt", _checks("7919"))
+    # the tests may reach the network where the operator grants it (a later re-verification's do)
+    write_task(tasks, "right", docker_env.image, "echo 7919 > /app/answer.txt", _checks("7919"),
+               extra='network_mode = "public"\n')
+    write_task(tasks, "wrong", docker_env.image, "echo 7917 > /app/answer.txt", _checks("7919"),
+               extra='network_mode = "public"\n')
     run_id = f"keep-{uuid.uuid4().hex[:8]}"
     options = {"docker_host": docker_env.url, "owner": f"keep-{uuid.uuid4().hex[:6]}"}
     with ServerProcess(tmp_path / "data", "--agent-sandbox", "docker", "--archive-dir", str(archive),
@@ -90,6 +129,19 @@ def test_harbor_reverify_in_fresh_containers(tmp_path: Path, docker_env: DockerE
     assert {n: r["reward"] for n, r in rows.items()} == {"right": 0.0, "wrong": 1.0}
     assert [v["reward"] for v in rows["right"]["reward_history"]] == [1.0, 1.0, 0.0], "every version kept"
 
+    # tests that fetch the expected answer from a host: refused it without a grant (counted, rewards kept), and
+    # scoring as they should once `--egress-verifier` grants it
+    with answer_host("7919") as host:
+        fetching = tmp_path / "fetching-tests"
+        fetching.mkdir()
+        (fetching / "test.sh").write_text(FETCHING_TEST.replace("HOST", host))
+        refused = _cli(run_id, *common, "--tests", str(fetching))
+        assert refused["failed"] == 2 and "no_network" in refused["examples"][0]["error"], refused
+        assert {n: r["reward"] for n, r in _rows(folder).items()} == {"right": 0.0, "wrong": 1.0}, "rewards kept"
+        granted = _cli(run_id, *common, "--tests", str(fetching), "--egress-verifier", host)
+        assert (granted["up"], granted["down"], granted["failed"]) == (1, 1, 0), granted
+    assert {n: r["reward"] for n, r in _rows(folder).items()} == {"right": 1.0, "wrong": 0.0}
+
     tar = folder / "_work" / f"{kept['right']['/app']['sha256']}.tar"
     data = bytearray(tar.read_bytes())
     spot = data.index(b"7919")
@@ -97,7 +149,7 @@ def test_harbor_reverify_in_fresh_containers(tmp_path: Path, docker_env: DockerE
     tar.write_bytes(bytes(data))
     tampered = _cli(run_id, *common, "--tests", str(new_tests))
     assert tampered["failed"] == 1 and "altered" in tampered["examples"][0]["error"], tampered
-    assert _rows(folder)["right"]["reward"] == 0.0, "a tampered work product is never re-scored"
+    assert _rows(folder)["right"]["reward"] == 1.0, "a tampered work product is never re-scored"
     assert rollout_engine.stats_dict()["requests"] == calls, "re-verification made no engine call"
     assert not docker_sandboxes_of(docker_env, "reverify-"), "every re-verification container was removed"
 
