@@ -1,7 +1,8 @@
 """Harbor's own published examples, unchanged but for `FROM`: the harbor-cookbook recipes `simple-task`,
 `multi-container` (a compose task whose `api-server` service the agent reaches by name), `multi-reward` (a
 reward.json of two rewards) and `skills` (`skills_dir`), kept in `tests/fixtures/harbor_cookbook` and checked
-byte for byte against `PUBLISHED.json` before anything runs.
+byte for byte against `PUBLISHED.json` before anything runs; and `multi-step` (Harbor's `[[steps]]` layout),
+kept to show that `tasks check` refuses it with every reason at once.
 
 Their test.sh files run as published (apt-get, uv 0.9.7 from astral.sh, `uvx --with pytest ...` from PyPI), and
 their Dockerfiles build as published (`apt-get install`, `pip install flask` in the service's): the verifier and
@@ -11,7 +12,10 @@ serve uv 0.9.7 and flask's wheels). Every `FROM` names the suite's trixie image;
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +29,14 @@ from rollout_buffer.tasks.harbor import environment_hash, read_task
 from tests.support.docker_env import DockerEnv, docker_env  # noqa: F401 - the session fixture
 from tests.support.harbor_cookbook import FIXTURES, changed_files, published, python_image, rebase_all
 from tests.support.harbor_tasks import scripted_agent
-from tests.support.helpers import ServerProcess
+from tests.support.helpers import REPO, ServerProcess
 from tests.support.registry import remove_image
 from tests.support.runtime_helpers import drain, wait_status
 from tests.support.tb2_mirror import Mirror, base_image, check_solutions, running_mirror, wheels
 
 pytestmark = pytest.mark.timeout(600)
 RECIPES = ("multi-container", "multi-reward", "simple-task", "skills")
+REFUSED = ("multi-step",)  # Harbor's [[steps]] layout: kept to show it is refused, whole, at parse
 SERVICE = "environment/api-server/Dockerfile"  # multi-container's service, FROM python:3.12-slim
 MORE_WHEELS = ("uv==0.9.7", "flask==3.1.3")  # the cookbook's uv, and what the service's Dockerfile pip-installs
 WEIGHTS = {"correctness": 0.75, "performance": 0.25}
@@ -81,8 +86,8 @@ def dataset(docker_env: DockerEnv, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_the_fixtures_are_the_published_files_and_only_from_changes(tmp_path: Path) -> None:
     record = published()
     assert record["repository"] == "https://github.com/harbor-framework/harbor-cookbook"
-    assert len(record["commit"]) == 40 and sorted(record["recipes"]) == list(RECIPES)
-    for recipe in RECIPES:
+    assert len(record["commit"]) == 40 and sorted(record["recipes"]) == sorted(RECIPES + REFUSED)
+    for recipe in RECIPES + REFUSED:
         assert changed_files(recipe) == [], recipe  # every file present, every SHA-256 the published one
         dockerfiles = dockerfiles_of(recipe)
         copy = rebase_all(FIXTURES / recipe, tmp_path / recipe, {name: "rollout-buffer-test:x" for name in dockerfiles})
@@ -95,6 +100,19 @@ def test_the_fixtures_are_the_published_files_and_only_from_changes(tmp_path: Pa
             assert [(a, b) for a, b in zip(before, after) if a != b] == [
                 (next(x for x in before if x.startswith("FROM ")), "FROM rollout-buffer-test:x")], (recipe, name)
     assert dockerfiles_of("multi-container") == ["environment/Dockerfile", SERVICE]
+
+
+def test_a_multi_step_task_is_refused_with_every_reason_at_once() -> None:
+    assert changed_files("multi-step") == []
+    done = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "tasks", "check", str(FIXTURES / "multi-step"),
+                           "--json"], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    row = json.loads(done.stdout)["tasks"][0]
+    assert done.returncode == 1 and row["ok"] is False, done.stdout + done.stderr
+    assert {p["field"]: p["message"] for p in row["problems"]} == {
+        "instruction.md": "missing or unreadable (No such file or directory)",
+        "task.toml steps": "multi-step tasks are not supported here",
+        "tests/test.sh": "missing (the verifier Harbor runs after the agent)"}, row
+    assert [w["field"] for w in row["warnings"]] == ["task.toml artifacts"], row
 
 
 def dockerfiles_of(recipe: str) -> list[str]:
