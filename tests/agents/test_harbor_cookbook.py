@@ -140,6 +140,10 @@ def test_tasks_check_scores_each_reference_solution_by_its_own_test_sh(
     message = reward["problems"][0]["message"]
     assert "several rewards ['correctness', 'performance'] and no 'reward'" in message, message
     assert "agent.verify.reward_key" in message and "agent.verify.reward_weights" in message
+    # the check picks one as a run does: both rewards weighted, the reference solution scores 1
+    code, report = check_solutions(dataset / "multi-reward", docker_env.url, *grants(mirror), "--reward-weights",
+                                   '{"correctness": 0.5, "performance": 0.5}')
+    assert code == 0 and (report["tasks"][0]["solution"], report["tasks"][0]["mode"]) == ("reward 1", "clean"), report
 
 
 def test_no_answer_scores_0(dataset: Path, mirror: Mirror, docker_env: DockerEnv, tmp_path: Path) -> None:  # noqa: F811
