@@ -2,7 +2,8 @@
 `multi-container` (a compose task whose `api-server` service the agent reaches by name), `multi-reward` (a
 reward.json of two rewards) and `skills` (`skills_dir`), kept in `tests/fixtures/harbor_cookbook` and checked
 byte for byte against `PUBLISHED.json` before anything runs; and `multi-step` (Harbor's `[[steps]]` layout),
-kept to show that `tasks check` refuses it with every reason at once.
+kept to show that `tasks check` refuses it with every reason at once; and `dns-blacklisting`, kept to show that
+the check reports its Dockerfile's ENTRYPOINT as not run here.
 
 Their test.sh files run as published (apt-get, uv 0.9.7 from astral.sh, `uvx --with pytest ...` from PyPI), and
 their Dockerfiles build as published (`apt-get install`, `pip install flask` in the service's): the verifier and
@@ -37,6 +38,7 @@ from tests.support.tb2_mirror import Mirror, base_image, check_solutions, runnin
 pytestmark = pytest.mark.timeout(600)
 RECIPES = ("multi-container", "multi-reward", "simple-task", "skills")
 REFUSED = ("multi-step",)  # Harbor's [[steps]] layout: kept to show it is refused, whole, at parse
+WARNED = ("dns-blacklisting",)  # its image's ENTRYPOINT sets the task up: kept to show that is reported
 SERVICE = "environment/api-server/Dockerfile"  # multi-container's service, FROM python:3.12-slim
 MORE_WHEELS = ("uv==0.9.7", "flask==3.1.3")  # the cookbook's uv, and what the service's Dockerfile pip-installs
 WEIGHTS = {"correctness": 0.75, "performance": 0.25}
@@ -86,8 +88,8 @@ def dataset(docker_env: DockerEnv, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_the_fixtures_are_the_published_files_and_only_from_changes(tmp_path: Path) -> None:
     record = published()
     assert record["repository"] == "https://github.com/harbor-framework/harbor-cookbook"
-    assert len(record["commit"]) == 40 and sorted(record["recipes"]) == sorted(RECIPES + REFUSED)
-    for recipe in RECIPES + REFUSED:
+    assert len(record["commit"]) == 40 and sorted(record["recipes"]) == sorted(RECIPES + REFUSED + WARNED)
+    for recipe in RECIPES + REFUSED + WARNED:
         assert changed_files(recipe) == [], recipe  # every file present, every SHA-256 the published one
         dockerfiles = dockerfiles_of(recipe)
         copy = rebase_all(FIXTURES / recipe, tmp_path / recipe, {name: "rollout-buffer-test:x" for name in dockerfiles})
@@ -113,6 +115,19 @@ def test_a_multi_step_task_is_refused_with_every_reason_at_once() -> None:
         "task.toml steps": "multi-step tasks are not supported here",
         "tests/test.sh": "missing (the verifier Harbor runs after the agent)"}, row
     assert [w["field"] for w in row["warnings"]] == ["task.toml artifacts"], row
+
+
+def test_an_entrypoint_the_sandbox_does_not_run_is_reported() -> None:
+    """dns-blacklisting's ENTRYPOINT writes /etc/hosts and starts its block server (Harbor runs it, with `sleep
+    infinity` as its arguments); the agent's container here runs the sandbox's own, so the check says so."""
+    assert changed_files("dns-blacklisting") == []
+    done = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "tasks", "check", str(FIXTURES), "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    rows = {row["task"]: row for row in json.loads(done.stdout)["tasks"]}
+    entrypoint = [w for w in rows["dns-blacklisting"]["warnings"] if w["field"] == "environment/Dockerfile ENTRYPOINT"]
+    assert rows["dns-blacklisting"]["ok"] and len(entrypoint) == 1, rows["dns-blacklisting"]
+    assert entrypoint[0]["message"].startswith("not run here: the agent's container runs the sandbox's own entrypoint")
+    assert not any("ENTRYPOINT" in w["field"] for name in RECIPES for w in rows[name]["warnings"])  # none of theirs
 
 
 def dockerfiles_of(recipe: str) -> list[str]:
