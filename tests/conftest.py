@@ -83,6 +83,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 LONG_FILES = (
     "tests/api/test_fuzz_api_writes.py",  # ~220
     "tests/chaos/test_chaos.py",  # ~190
+    "tests/agents/test_harbor_cookbook.py",  # ~100 (five images built, four checks, one run)
     "tests/chaos/test_chaos_under_load.py",  # ~90 (two busy processes of its own)
     "tests/agents/test_fleet.py",  # ~60 (three Docker Engines in network namespaces)
     "tests/agents/test_harbor_cli_presets.py",  # ~50

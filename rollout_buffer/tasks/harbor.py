@@ -152,6 +152,22 @@ def _compose_check(root: Path, notes: Notes) -> None:
                                                                      "and publishes nothing")
 
 
+def _entrypoint_check(root: Path, notes: Notes) -> None:
+    """Harbor starts the agent's container with its image's ENTRYPOINT (its compose command, `sleep infinity`,
+    becomes the entrypoint's arguments); here the sandbox runs its own, so what an ENTRYPOINT of the Dockerfile's
+    final stage sets up (a server, /etc/hosts entries) is absent: reported, never silent."""
+    try:
+        lines = (root / "environment" / "Dockerfile").read_text(errors="replace").splitlines()
+    except OSError:
+        return
+    stages = [i for i, line in enumerate(lines) if line.lstrip().upper().startswith("FROM ")]
+    final = lines[stages[-1] if stages else 0:]
+    if any(line.lstrip().upper().startswith("ENTRYPOINT") for line in final):
+        notes.warn("environment/Dockerfile ENTRYPOINT", "not run here: the agent's container runs the sandbox's "
+                                                        "own entrypoint, so what the image's would start or set up "
+                                                        "(a server, /etc/hosts entries) is absent")
+
+
 def read_task(folder: str | Path, name: str | None = None, limits: TaskLimits | None = None,
               environ: dict[str, str] | None = None) -> dict[str, Any]:
     """One task folder -> its sample (`instance_id`, `prompt`, `harbor`, `metadata`); HarborTaskError naming
@@ -181,6 +197,8 @@ def read_task(folder: str | Path, name: str | None = None, limits: TaskLimits | 
     if "tests" not in flagged and not (root / "tests" / "test.sh").is_file():
         notes.refuse("tests/test.sh", "missing (the verifier Harbor runs after the agent)")
     _compose_check(root, notes)
+    if "environment" not in flagged:
+        _entrypoint_check(root, notes)
     if notes.problems:
         raise HarborTaskError.of(task, notes.problems, notes.warnings)
     metadata = settings.pop("metadata")

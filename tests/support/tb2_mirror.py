@@ -84,17 +84,18 @@ def _locked(name: str) -> io.TextIOWrapper:
     return lock
 
 
-def wheels() -> Path:
-    """The wheels TB2's test.sh installs (and uv's own), downloaded from PyPI once into the cache."""
-    folder = FOLDER / "wheels"
-    with _locked("wheels"):
+def wheels(specs: tuple[str, ...] = WHEELS, name: str = "wheels") -> Path:
+    """The wheels TB2's test.sh installs (and uv's own), or `specs` into folder `name`, downloaded from PyPI once
+    into the cache (for Python 3.13, trixie's)."""
+    folder = FOLDER / name
+    with _locked(name):
         if not (folder / ".complete").exists():
             done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-                                   "--python-version", "3.13", "--dest", str(folder), *WHEELS],
+                                   "--python-version", "3.13", "--dest", str(folder), *specs],
                                   capture_output=True, text=True, timeout=300, check=False)
             if done.returncode != 0:
-                pytest.fail(f"pip download of {WHEELS} failed: {done.stderr[-2000:]}")
-            (folder / ".complete").write_text("\n".join(WHEELS))
+                pytest.fail(f"pip download of {specs} failed: {done.stderr[-2000:]}")
+            (folder / ".complete").write_text("\n".join(specs))
     return folder
 
 
@@ -221,11 +222,12 @@ def check_solutions(dataset: Path, engine_url: str, *extra: str) -> tuple[int, d
     return done.returncode, json.loads(done.stdout or "{}")
 
 
-def mirror_app(folder: Path, mirror: Mirror, packages: tuple[str, ...] = ()) -> web.Application:
-    files = {p.name: p for p in folder.glob("*.whl")}
+def mirror_app(folders: Path | tuple[Path, ...], mirror: Mirror, packages: tuple[str, ...] = ()) -> web.Application:
+    folders = (folders,) if isinstance(folders, Path) else folders
+    files = {p.name: p for folder in folders for p in folder.glob("*.whl")}
     index, pool = archive_index(debs(packages) if packages else None, packages)
     release = RELEASE.format(sha256=hashlib.sha256(index).hexdigest(), size=len(index))
-    uv_wheel = next(name for name in files if name.startswith(f"uv-{UV_VERSION}-"))
+    uv_wheels = {name.split("-")[1]: name for name in files if name.startswith("uv-")}  # by version
 
     @web.middleware
     async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
@@ -234,8 +236,9 @@ def mirror_app(folder: Path, mirror: Mirror, packages: tuple[str, ...] = ()) -> 
 
     async def wheel(request: web.Request) -> web.StreamResponse:
         name = request.match_info["file"]
-        if name == "install.sh" and request.match_info.get("version") == UV_VERSION:  # astral.sh/uv/<v>/install.sh
-            return web.Response(text=INSTALL_SH.format(version=UV_VERSION, wheel=uv_wheel))
+        version = request.match_info.get("version", "")
+        if name == "install.sh" and version in uv_wheels:  # astral.sh/uv/<v>/install.sh, for each uv served
+            return web.Response(text=INSTALL_SH.format(version=version, wheel=uv_wheels[version]))
         return web.FileResponse(files[name]) if name in files else web.Response(status=404)
 
     async def simple(request: web.Request) -> web.Response:
@@ -315,13 +318,15 @@ def rebase(task: Path, target: Path, image: str) -> Path:
 
 
 @contextlib.contextmanager
-def running_mirror(packages: tuple[str, ...] = ()) -> Iterator[Mirror]:
+def running_mirror(packages: tuple[str, ...] = (), more: Path | None = None) -> Iterator[Mirror]:
     """The stand-ins on 127.0.0.1 (HTTPS and HTTP), served from a thread of their own (the server under test and
-    `tasks check` run in other processes), stopped on exit; the archive holds trixie's `packages`."""
+    `tasks check` run in other processes), stopped on exit; the archive holds trixie's `packages`, the index the
+    wheels of folder `more` (`wheels(specs, name)`) beside TB2's."""
     mirror = Mirror()
     loop = asyncio.new_event_loop()
     with tempfile.TemporaryDirectory(prefix="rb-tb2-mirror-") as folder:
-        app, context = mirror_app(wheels(), mirror, packages), server_context(Path(folder))
+        app = mirror_app((wheels(), *((more,) if more else ())), mirror, packages)
+        context = server_context(Path(folder))
         runner = web.AppRunner(app, access_log=None)
 
         async def start() -> None:

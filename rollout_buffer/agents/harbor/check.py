@@ -33,7 +33,7 @@ from rollout_buffer.agents.harbor.verify import harbor_verify
 from rollout_buffer.agents.sandbox import Limits, SandboxError, open_sandbox
 from rollout_buffer.agents.verifiers import AgentResult, VerifierError
 from rollout_buffer.agents.verify.lint import runs_work_code
-from rollout_buffer.agents.verify.policy import MODES
+from rollout_buffer.agents.verify.policy import MODES, PolicyError, VerifyPolicy, parse_policy
 from rollout_buffer.agents.verify.reward import KeptFailure
 from rollout_buffer.tasks.harbor import HarborTaskError, dataset_entries, read_task
 from rollout_buffer.tasks.harbor_compose import ComposeError, read_compose
@@ -62,10 +62,11 @@ class Row:
         self.ok = False
 
 
-async def run_solution(sample: dict[str, Any], options: dict[str, Any], network: Network | None = None
-                       ) -> dict[str, Any]:
+async def run_solution(sample: dict[str, Any], options: dict[str, Any], network: Network | None = None,
+                       policy: VerifyPolicy | None = None) -> dict[str, Any]:
     """The task's reference solution in a fresh container of its image, scored by its verifier (with the
-    verifier's egress `network` grants, as a run's)."""
+    verifier's egress `network` grants, as a run's, and the reward a run's `policy` picks of several)."""
+    policy = policy or VerifyPolicy()
     network = network or Network()
     harbor = sample["harbor"]
     limits = Limits(cpus=float(harbor["cpus"]), memory_bytes=int(harbor["memory_mb"]) << 20,
@@ -91,7 +92,8 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any], network:
                 verdict = await harbor_verify(box, sample, agent, mode=mode, outputs=harbor.get("outputs"),
                                               egress=phase_allowlist(harbor, "verifier", network.egress),
                                               upstream=network.proxy, mirrors=Mirrors.parse(network.mirrors),
-                                              safe_path=safe)
+                                              safe_path=safe, reward_key=policy.reward_key,
+                                              reward_weights=policy.reward_weights)
             except KeptFailure as exc:
                 if exc.error_type == "no_network":  # the grant, not the mode: no other mode reaches more
                     raise
@@ -167,7 +169,7 @@ async def pull_images(row: Row, harbor: dict[str, Any], options: dict[str, Any])
 
 async def check_dataset(dataset: str | Path, *, build: bool, solutions: bool, options: dict[str, Any],
                         limits: TaskLimits | None = None, network: Network | None = None,
-                        pull: bool = False) -> list[Row]:
+                        pull: bool = False, policy: VerifyPolicy | None = None) -> list[Row]:
     """One row per task folder (a link out of the dataset folder is that task's problem), every problem listed."""
     rows: list[Row] = []
     for folder, outside in dataset_entries(dataset):
@@ -210,7 +212,7 @@ async def check_dataset(dataset: str | Path, *, build: bool, solutions: bool, op
                 row.fail("solution", "no solution/solve.sh")
                 continue
             try:
-                verdict = await run_solution(sample, options, network)
+                verdict = await run_solution(sample, options, network, policy)
             except (SandboxError, VerifierError) as exc:
                 kind = f"{exc.error_type}: " if isinstance(exc, KeptFailure) else ""  # e.g. no_network
                 row.fail("solution", f"error: {kind}{exc}")
@@ -248,7 +250,7 @@ def report(rows: list[Row]) -> list[str]:
 
 def main(dataset: str, *, build: bool, solutions: bool, docker_host: str | None, as_json: bool = False,
          limits: TaskLimits | None = None, force_build: bool = False, network: Network | None = None,
-         pull: bool = False, user: str | None = None) -> int:
+         pull: bool = False, user: str | None = None, policy: VerifyPolicy | None = None) -> int:
     options: dict[str, Any] = {"docker_host": docker_host} if docker_host else {}
     if force_build:
         options["force_build"] = True
@@ -256,7 +258,7 @@ def main(dataset: str, *, build: bool, solutions: bool, docker_host: str | None,
         options["user"] = user
     try:
         rows = asyncio.run(check_dataset(dataset, build=build, solutions=solutions, options=options, limits=limits,
-                                         network=network, pull=pull))
+                                         network=network, pull=pull, policy=policy))
     except (HarborTaskError, OSError) as exc:
         print(json.dumps({"error": str(exc)}) if as_json else f"tasks check: {exc}")
         return 2
@@ -297,7 +299,17 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
     check.add_argument("--egress-mirror", action="append", default=[], metavar="HOST=ADDR:PORT",
                        help="serve an allowed host from a mirror, as serve's (repeatable)")
     check.add_argument("--egress-proxy", default="", metavar="URL", help="an upstream HTTP proxy, as serve's")
+    check.add_argument("--reward-key", metavar="KEY", help="the reward of a reward.json of several that a solution "
+                                                           "is scored by, as a run's agent.verify.reward_key")
+    check.add_argument("--reward-weights", metavar="JSON", help="weights of a reward.json's rewards, e.g. "
+                       "'{\"correctness\": 1}', as a run's agent.verify.reward_weights (their weighted sum)")
     args = parser.parse_args(argv)
+    try:  # the same checks as a run's agent.verify
+        weights = None if args.reward_weights is None else json.loads(args.reward_weights)
+        policy = parse_policy({k: v for k, v in (("reward_key", args.reward_key), ("reward_weights", weights))
+                               if v is not None})
+    except (ValueError, PolicyError) as exc:
+        parser.error(f"--reward-key/--reward-weights: {exc}")
     try:  # a bad grant is the command line's error, named, before anything runs
         Allowlist.parse([*args.egress_verifier, *args.egress_build]), Mirrors.parse(args.egress_mirror)
         upstream_address(args.egress_proxy)
@@ -307,4 +319,4 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
                 docker_host=args.docker_host, as_json=args.json, limits=limits, force_build=args.force_build,
                 network=Network(tuple(args.egress_verifier), tuple(args.egress_mirror), args.egress_proxy,
                                 tuple(args.egress_build)),
-                pull=args.pull, user=args.user)
+                pull=args.pull, user=args.user, policy=policy)
