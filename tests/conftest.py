@@ -82,13 +82,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # The test files that took longest in full runs (seconds of test time at load, longest first): they start first.
 LONG_FILES = (
     "tests/api/test_fuzz_api_writes.py",  # ~220
-    "tests/chaos/test_chaos.py",  # ~190
-    "tests/agents/test_harbor_cookbook.py",  # ~100 (five images built, four checks, one run)
-    "tests/chaos/test_chaos_under_load.py",  # ~90 (two busy processes of its own)
+    "tests/chaos/test_chaos_under_load.py",  # ~90-160 (two busy processes of its own)
+    "tests/chaos/test_chaos.py",  # ~100 (two rounds)
+    "tests/agents/test_harbor_cookbook.py",  # ~60 (five images built, three checks, one run)
     "tests/agents/test_fleet.py",  # ~60 (three Docker Engines in network namespaces)
     "tests/agents/test_harbor_cli_presets.py",  # ~50
     "tests/agents/test_harbor_tb2.py",  # ~35 (a Debian trixie image built once per checkout)
-    "tests/agents/test_harbor_tb2_build.py",  # ~60 (a build that apt-installs pip, two runs, three checks)
+    "tests/agents/test_harbor_tb2_build.py",  # ~40 (a build that apt-installs pip, two runs, two checks)
     "tests/agents/test_reward_integrity.py",  # ~130 at load (Harbor verifications in every mode)
     "tests/adapter/test_dynamic_filter.py",  # up to ~180
     "tests/api/test_fuzz_api.py",  # ~190

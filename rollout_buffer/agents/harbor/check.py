@@ -9,7 +9,8 @@ as (the run's `--user`, else the task's `[agent] user`, else the image's USER, e
 agent user would run, and the task's own verifier scores it: a sound task scores 1. It is scored under the
 `clean` verify mode first, then `snapshot`, then both without `PYTHONSAFEPATH` (`agent.verify.python_safe_path`),
 then `same`: the MODE column is the safest way in which the solution scores 1, the one to run the task with
-(`agent.verify.tasks`; `clean/no-safe-path` for a task that scores 1 only with Harbor's own `sys.path`). A task whose tests run code from
+(`agent.verify.tasks`; `clean/no-safe-path` for a task that scores 1 only with Harbor's own `sys.path`);
+`--verify-mode MODE` scores under that one mode instead. A task whose tests run code from
 the work folder as root (`agents/verify/lint.py`) is warned about: no mode makes that code harmless. One row per task; the
 exit status is 1 when any task failed a check.
 """
@@ -63,9 +64,10 @@ class Row:
 
 
 async def run_solution(sample: dict[str, Any], options: dict[str, Any], network: Network | None = None,
-                       policy: VerifyPolicy | None = None) -> dict[str, Any]:
+                       policy: VerifyPolicy | None = None, verify_mode: str | None = None) -> dict[str, Any]:
     """The task's reference solution in a fresh container of its image, scored by its verifier (with the
-    verifier's egress `network` grants, as a run's, and the reward a run's `policy` picks of several)."""
+    verifier's egress `network` grants, as a run's, and the reward a run's `policy` picks of several);
+    `verify_mode`: under that mode only (`--verify-mode`), with the policy's `python_safe_path`."""
     policy = policy or VerifyPolicy()
     network = network or Network()
     harbor = sample["harbor"]
@@ -87,7 +89,9 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any], network:
         # the safest way in which it scores 1: clean, snapshot, the two without PYTHONSAFEPATH (Harbor's sys.path:
         # agent.verify.python_safe_path false), same last (it changes the container)
         tries = [(m, True) for m in MODES if m != "same"] + [(m, False) for m in MODES if m != "same"]
-        for mode, safe in [*tries, ("same", True)]:
+        tries = [*tries, ("same", True)] if verify_mode is None else [
+            (verify_mode, policy.safe_path_for(str(harbor["name"])))]
+        for mode, safe in tries:
             try:
                 verdict = await harbor_verify(box, sample, agent, mode=mode, outputs=harbor.get("outputs"),
                                               egress=phase_allowlist(harbor, "verifier", network.egress),
@@ -102,9 +106,10 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any], network:
             if verdict["reward"] == 1.0:
                 return verdict
             results.setdefault(mode, verdict)
-        if isinstance(results["clean"], KeptFailure):
-            raise results["clean"]
-        return results["clean"]
+        first = results[tries[0][0]]
+        if isinstance(first, KeptFailure):
+            raise first
+        return first
     finally:
         await box.cleanup()
 
@@ -169,7 +174,8 @@ async def pull_images(row: Row, harbor: dict[str, Any], options: dict[str, Any])
 
 async def check_dataset(dataset: str | Path, *, build: bool, solutions: bool, options: dict[str, Any],
                         limits: TaskLimits | None = None, network: Network | None = None,
-                        pull: bool = False, policy: VerifyPolicy | None = None) -> list[Row]:
+                        pull: bool = False, policy: VerifyPolicy | None = None,
+                        verify_mode: str | None = None) -> list[Row]:
     """One row per task folder (a link out of the dataset folder is that task's problem), every problem listed."""
     rows: list[Row] = []
     for folder, outside in dataset_entries(dataset):
@@ -212,7 +218,7 @@ async def check_dataset(dataset: str | Path, *, build: bool, solutions: bool, op
                 row.fail("solution", "no solution/solve.sh")
                 continue
             try:
-                verdict = await run_solution(sample, options, network, policy)
+                verdict = await run_solution(sample, options, network, policy, verify_mode)
             except (SandboxError, VerifierError) as exc:
                 kind = f"{exc.error_type}: " if isinstance(exc, KeptFailure) else ""  # e.g. no_network
                 row.fail("solution", f"error: {kind}{exc}")
@@ -250,7 +256,8 @@ def report(rows: list[Row]) -> list[str]:
 
 def main(dataset: str, *, build: bool, solutions: bool, docker_host: str | None, as_json: bool = False,
          limits: TaskLimits | None = None, force_build: bool = False, network: Network | None = None,
-         pull: bool = False, user: str | None = None, policy: VerifyPolicy | None = None) -> int:
+         pull: bool = False, user: str | None = None, policy: VerifyPolicy | None = None,
+         verify_mode: str | None = None) -> int:
     options: dict[str, Any] = {"docker_host": docker_host} if docker_host else {}
     if force_build:
         options["force_build"] = True
@@ -258,7 +265,7 @@ def main(dataset: str, *, build: bool, solutions: bool, docker_host: str | None,
         options["user"] = user
     try:
         rows = asyncio.run(check_dataset(dataset, build=build, solutions=solutions, options=options, limits=limits,
-                                         network=network, pull=pull, policy=policy))
+                                         network=network, pull=pull, policy=policy, verify_mode=verify_mode))
     except (HarborTaskError, OSError) as exc:
         print(json.dumps({"error": str(exc)}) if as_json else f"tasks check: {exc}")
         return 2
@@ -303,6 +310,8 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
                                                            "is scored by, as a run's agent.verify.reward_key")
     check.add_argument("--reward-weights", metavar="JSON", help="weights of a reward.json's rewards, e.g. "
                        "'{\"correctness\": 1}', as a run's agent.verify.reward_weights (their weighted sum)")
+    check.add_argument("--verify-mode", choices=MODES, help="score each solution under this verify mode only (the "
+                       "one a run uses) instead of finding the safest in which it scores 1")
     args = parser.parse_args(argv)
     try:  # the same checks as a run's agent.verify
         weights = None if args.reward_weights is None else json.loads(args.reward_weights)
@@ -319,4 +328,4 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
                 docker_host=args.docker_host, as_json=args.json, limits=limits, force_build=args.force_build,
                 network=Network(tuple(args.egress_verifier), tuple(args.egress_mirror), args.egress_proxy,
                                 tuple(args.egress_build)),
-                pull=args.pull, user=args.user, policy=policy)
+                pull=args.pull, user=args.user, policy=policy, verify_mode=args.verify_mode)
