@@ -1,0 +1,198 @@
+"""A task image without python3 (Terminal-Bench 2's `FROM ubuntu:24.04` tasks) runs with `forwarder_image`: the
+forwarders run in a holder container of that image, whose loopback the agent's container, its sidecars and the
+verifier's container share. Real Engine, real model relay (its peer-uid check), real egress proxy."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiodocker
+import pytest
+from aiodocker.exceptions import DockerError
+
+from rollout_buffer.agents.docker_holder import HOLDER_LABEL
+from rollout_buffer.agents.harbor.network import phase_allowlist
+from rollout_buffer.agents.harbor.plan import harbor_options
+from rollout_buffer.agents.harbor.verify import harbor_verify
+from rollout_buffer.agents.pool import Prepared, prepare
+from rollout_buffer.agents.sandbox import Limits, SandboxError, open_sandbox
+from rollout_buffer.agents.verify.reward import KeptFailure
+from rollout_buffer.tasks.harbor import read_task
+from tests.agents.test_harbor_compose import SERVICE, compose_task
+from tests.agents.test_harbor_network_verify import DONE, index  # noqa: F401 - the stand-in index fixture
+from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
+from tests.support.relay import upstream
+
+pytestmark = pytest.mark.timeout(600)  # the session's first docker test builds the base image
+LIMITS = Limits(pids=64, disk_mb=16, memory_bytes=256 << 20, cpus=1.0)
+KEY = "sk-rb-run~fwd.secret"
+# one HTTP exchange with bash's /dev/tcp (no python3, no curl): `bash -c HTTP bash HOST PORT REQUEST`; exit 7 when
+# the connection is refused
+HTTP = 'exec 3<>"/dev/tcp/$1/$2" || exit 7; printf "%b" "$3" >&3; cat <&3'
+MODEL_CALL = ("POST /v1/chat/completions HTTP/1.0\\r\\nHost: x\\r\\nAuthorization: Bearer stolen\\r\\n"
+              "Content-Type: application/json\\r\\nContent-Length: 2\\r\\n\\r\\n{}")
+FIND_FORWARDER = 'id -u; for p in /proc/[0-9]*; do grep -qs "forward[e]r[.]py" "$p/cmdline" && echo "found $p"; done; echo end'
+
+
+@pytest.fixture()
+async def gateway() -> AsyncIterator:
+    async with upstream() as made:
+        yield made
+
+
+async def _prepared(env: DockerEnv, gateway_url: str, name: str, **options: object) -> Prepared:
+    made = await prepare("docker", name=name, limits=LIMITS, upstream=gateway_url, options=env.options(
+        image=env.image_without_python(), forwarder_image=env.image, **options))
+    assert made.relay is not None
+    made.relay.api_key = KEY
+    return made
+
+
+async def _exists(env: DockerEnv, container_id: str) -> bool:
+    async with aiodocker.Docker(url=env.url) as docker:
+        try:
+            await docker.containers.get(container_id)
+            return True
+        except DockerError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+
+def _body(answer: str) -> dict:
+    return json.loads(answer.split("\r\n\r\n", 1)[1])
+
+
+async def test_without_the_option_a_python_less_image_fails_naming_it(docker_env: DockerEnv,  # noqa: F811
+                                                                      tmp_path: Path) -> None:
+    name = f"fwd-none-{secrets.token_hex(4)}"
+    with pytest.raises(SandboxError) as failed:
+        await open_sandbox("docker", name=name, limits=LIMITS, model_socket=str(tmp_path / "model.sock"),
+                           options=docker_env.options(image=docker_env.image_without_python()))
+    assert "has no working python3" in str(failed.value)
+    assert "set the sandbox option forwarder_image / --forwarder-image to an image with python3" in str(failed.value)
+    assert docker_sandboxes_of(docker_env, name) == []
+    missing = f"fwd-missing-{secrets.token_hex(4)}"
+    with pytest.raises(SandboxError, match="forwarder_image 'rollout-buffer-no-such-image:0', which is not in the"):
+        await open_sandbox("docker", name=missing, limits=LIMITS, model_socket=str(tmp_path / "model.sock"),
+                           options=docker_env.options(image=docker_env.image_without_python(),
+                                                      forwarder_image="rollout-buffer-no-such-image:0"))
+    assert docker_sandboxes_of(docker_env, missing) == []
+
+
+async def test_a_python_less_image_reaches_the_model_through_a_holder_and_nothing_else(
+        docker_env: DockerEnv, gateway) -> None:  # noqa: F811
+    name = f"fwd-model-{secrets.token_hex(4)}"
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # a host-loopback port: the container's loopback is the holder's, not the host's
+    prepared = await _prepared(docker_env, gateway.url, name, image_root=True)  # a root agent, as Harbor's default
+    box = prepared.sandbox
+    try:
+        holder = box.network_id
+        assert holder != box.container_id and box.model_url == "http://127.0.0.1:8765"
+        assert len(docker_sandboxes_of(docker_env, name)) == 2  # the agent's container and its holder
+        no_python = await box.exec(["sh", "-c", "command -v python3 || echo none"], timeout_s=30)
+        assert no_python.stdout == "none\n"
+        call = await box.exec(["bash", "-c", HTTP, "bash", "127.0.0.1", "8765", MODEL_CALL], timeout_s=30)
+        assert call.ok, call.stderr
+        seen = _body(call.stdout)  # what reached the gateway, through the relay (which admits the keeper uid only)
+        assert seen["path"] == "/v1/chat/completions" and seen["auth"] == f"Bearer {KEY}"
+        port = str(listener.getsockname()[1])
+        refused = await box.exec(["bash", "-c", HTTP, "bash", "127.0.0.1", port, "GET / HTTP/1.0\\r\\n\\r\\n"],
+                                 timeout_s=30)
+        assert refused.exit_code == 7, refused
+        hunt = await box.exec(["bash", "-c", FIND_FORWARDER], timeout_s=30)
+        assert hunt.stdout == "0\nend\n", hunt  # root, and no forwarder in its pid namespace to see or kill
+        async with aiodocker.Docker(url=docker_env.url) as docker:
+            shown = await docker.containers.get(holder)
+            top = await docker._query_json(f"containers/{holder}/top")
+        assert shown["Config"]["Labels"][HOLDER_LABEL] == "1" and shown["HostConfig"]["NetworkMode"] == "none"
+        assert any("forwarder.py" in " ".join(row) for row in top["Processes"])  # the forwarder runs, there
+        again = await box.exec(["bash", "-c", HTTP, "bash", "127.0.0.1", "8765", MODEL_CALL], timeout_s=30)
+        assert _body(again.stdout)["path"] == "/v1/chat/completions"
+        assert len(gateway.seen) == 2
+    finally:
+        await prepared.release()
+        listener.close()
+    assert not await _exists(docker_env, holder) and docker_sandboxes_of(docker_env, name) == []
+
+
+async def test_sidecars_and_the_verifier_share_the_holders_loopback(docker_env: DockerEnv, gateway,  # noqa: F811
+                                                                   tmp_path: Path) -> None:
+    nopython = docker_env.image_without_python()
+    folder = compose_task(tmp_path / "with-api", nopython, SERVICE % docker_env.image)
+    (folder / "tests" / "test.sh").write_text(  # the seed by the service's name, from a container without python3
+        "#!/bin/bash\nexec 3<>/dev/tcp/api/8080 && printf 'GET /seed.json HTTP/1.0\\r\\n\\r\\n' >&3 && "
+        "cat <&3 | grep -q '\"answer\": 42' && r=1 || r=0\ncommand -v python3 && r=0\n"
+        "echo $r > /logs/verifier/reward.txt\n")
+    sample = read_task(folder)
+    name = f"fwd-compose-{secrets.token_hex(4)}"
+    options = await harbor_options(sample, docker_env.options(forwarder_image=docker_env.image))
+    prepared = await prepare("docker", name=name, limits=Limits(), options=options, upstream=gateway.url)
+    box = prepared.sandbox
+    try:
+        assert box.network_id != box.container_id
+        assert len(docker_sandboxes_of(docker_env, name)) == 3  # the agent's container, its holder, its sidecar
+        seed = await box.exec(["bash", "-c", HTTP, "bash", "api", "8080", "GET /seed.json HTTP/1.0\\r\\n\\r\\n"],
+                              timeout_s=30)
+        assert _body(seed.stdout) == {"answer": 42}, seed
+        call = await box.exec(["bash", "-c", HTTP, "bash", "127.0.0.1", "8765", MODEL_CALL], timeout_s=30)
+        assert _body(call.stdout)["path"] == "/v1/chat/completions"
+        verdict = await harbor_verify(box, sample, DONE, mode="clean")  # a fresh container in the agent's group
+        assert verdict["reward"] == 1.0, verdict
+    finally:
+        await prepared.release()
+    assert docker_sandboxes_of(docker_env, name) == []
+
+
+NET_TEST = """#!/bin/bash
+command -v python3 && { echo 0 > /logs/verifier/reward.txt; exit 0; }
+proxy=${http_proxy#http://}
+exec 3<>"/dev/tcp/${proxy%:*}/${proxy##*:}" || { echo 0 > /logs/verifier/reward.txt; exit 0; }
+printf 'GET %s HTTP/1.1\\r\\nHost: %s\\r\\nConnection: close\\r\\n\\r\\n' "$INDEX_URL" "$INDEX_HOST" >&3
+if cat <&3 | grep -q uv-0.7.13; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+"""
+
+
+async def test_a_python_less_tasks_verifier_reaches_its_granted_host_through_a_holder(
+        docker_env: DockerEnv, index: str, tmp_path: Path) -> None:  # noqa: F811
+    root = tmp_path / "needs-index"
+    (root / "tests").mkdir(parents=True)
+    (root / "instruction.md").write_text("Nothing to do: the tests fetch from the network.\n")
+    (root / "task.toml").write_text(
+        f'version = "1.0"\n[verifier]\ntimeout_sec = 60.0\n'
+        f'env = {{ INDEX_URL = "http://{index}/simple/uv/", INDEX_HOST = "{index}" }}\n'
+        f'[environment]\ndocker_image = "{docker_env.image_without_python()}"\nallow_internet = true\n')
+    (root / "tests" / "test.sh").write_text(NET_TEST)
+    sample = read_task(root)
+    harbor = sample["harbor"]
+    name = f"fwd-verify-{secrets.token_hex(4)}"
+    agent = await open_sandbox("docker", name=name, limits=Limits(), options=await harbor_options(
+        sample, docker_env.options(forwarder_image=docker_env.image)))
+    try:
+        granted = phase_allowlist(harbor, "verifier", {"verifier": (index,)})
+        verdict = await harbor_verify(agent, sample, DONE, mode="clean", egress=granted)
+        assert verdict["reward"] == 1.0 and "network_refused" not in verdict, verdict
+        with pytest.raises(KeptFailure) as refused:  # the operator grants the verifier nothing
+            await harbor_verify(agent, sample, DONE, mode="clean", egress=phase_allowlist(harbor, "verifier", {}))
+        assert refused.value.error_type == "no_network"
+        assert refused.value.details["network_refused"] == {index: 1}
+        assert len(docker_sandboxes_of(docker_env, name)) == 1  # each verifier's container and holder are gone
+    finally:
+        await agent.cleanup()
+    assert docker_sandboxes_of(docker_env, name) == []
+
+
+def test_the_server_flag_sets_every_docker_sandboxs_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_buffer.cli import build_parser
+    from rollout_buffer.settings import Settings
+
+    monkeypatch.setenv("ROLLOUT_BUFFER_FORWARDER_IMAGE", "python:3.12-slim")
+    assert Settings().forwarder_image == "python:3.12-slim"
+    args = build_parser().parse_args(["worker", "--forwarder-image", "forwarders:1"])
+    assert args.forwarder_image == "forwarders:1"
