@@ -9,8 +9,10 @@ import secrets
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiodocker
+import httpx
 import pytest
 from aiodocker.exceptions import DockerError
 
@@ -25,7 +27,9 @@ from rollout_buffer.tasks.harbor import read_task
 from tests.agents.test_harbor_compose import SERVICE, compose_task
 from tests.agents.test_harbor_network_verify import DONE, index  # noqa: F401 - the stand-in index fixture
 from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
+from tests.support.helpers import ServerProcess
 from tests.support.relay import upstream
+from tests.support.runtime_helpers import drain, wait_status
 
 pytestmark = pytest.mark.timeout(600)  # the session's first docker test builds the base image
 LIMITS = Limits(pids=64, disk_mb=16, memory_bytes=256 << 20, cpus=1.0)
@@ -186,6 +190,39 @@ async def test_a_python_less_tasks_verifier_reaches_its_granted_host_through_a_h
     finally:
         await agent.cleanup()
     assert docker_sandboxes_of(docker_env, name) == []
+
+
+# the agent: one chat completion through the model forwarder, with bash's /dev/tcp (the image has no python3)
+AGENT = r"""u=${OPENAI_BASE_URL#http://}; hp=${u%%/*}; body='{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4}'
+exec 3<>"/dev/tcp/${hp%:*}/${hp##*:}" || exit 7
+printf 'POST /%s/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %s\r\nConnection: close\r\n\r\n%s' "${u#*/}" "$OPENAI_API_KEY" "${#body}" "$body" >&3
+cat <&3 > /app/answer.txt; head -c 300 /app/answer.txt"""
+
+
+def test_a_run_on_a_server_with_forwarder_image_scores_a_python_less_task(
+        docker_env: DockerEnv, rollout_engine: Any, qwen_tokenizer_path: str, tmp_path: Path) -> None:  # noqa: F811
+    task = tmp_path / "dataset" / "no-python"
+    (task / "tests").mkdir(parents=True)
+    (task / "instruction.md").write_text("Ask the model anything; its answer goes to /app/answer.txt.\n")
+    (task / "task.toml").write_text(f'version = "1.0"\n[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 60.0\n'
+                                    f'[environment]\ndocker_image = "{docker_env.image_without_python()}"\n')
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\ncommand -v python3 && r=0 || r=1\n"
+                                            "grep -q '\"choices\"' /app/answer.txt || r=0\necho $r > /logs/verifier/reward.txt\n")
+    run_id = f"fwd-run-{secrets.token_hex(4)}"
+    with ServerProcess(tmp_path / "data", "--agent-sandbox", "docker", "--forwarder-image", docker_env.image) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        answer = client.post("/start_rollout", json={
+            "task_type": "agent_command", "input_file": str(tmp_path / "dataset"), "num_repeat_per_sample": 1,
+            "remote_engine_url": rollout_engine.url, "tokenizer_path": qwen_tokenizer_path, "run_id": run_id,
+            "sampling_params": {"max_tokens": 4, "temperature": 1.0},
+            "agent": {"command": ["bash", "-c", AGENT.replace("{", "{{").replace("}", "}}")], "api": "openai",
+                      "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url}}}})
+        assert answer.status_code == 200, answer.text
+        wait_status(client, answer.json()["run_id"], "finished", timeout_s=300)
+        records = drain(client, answer.json()["run_id"], 1, timeout_s=60)
+    assert records[0]["reward"] == 1.0, records[0]["extra_info"]
+    assert "HTTP/1.1 200" in records[0]["extra_info"]["agent"]["stdout_tail"], records[0]["extra_info"]["agent"]
+    assert docker_sandboxes_of(docker_env, run_id) == []  # the agent's container, its holder, the verifier's: gone
 
 
 def test_the_server_flag_sets_every_docker_sandboxs_default(monkeypatch: pytest.MonkeyPatch) -> None:
