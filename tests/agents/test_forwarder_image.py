@@ -218,6 +218,13 @@ def test_a_run_on_a_server_with_forwarder_image_scores_a_python_less_task(
             "agent": {"command": ["bash", "-c", AGENT.replace("{", "{{").replace("}", "}}")], "api": "openai",
                       "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url}}}})
         assert answer.status_code == 200, answer.text
+        missing = client.post("/start_rollout", json={  # a run's own forwarder_image the Engine lacks: refused
+            "task_type": "agent_command", "input_file": str(tmp_path / "dataset"), "run_id": f"{run_id}-missing",
+            "remote_engine_url": rollout_engine.url, "tokenizer_path": qwen_tokenizer_path,
+            "agent": {"command": ["true"], "sandbox": {"backend": "docker", "options": {
+                "docker_host": docker_env.url, "forwarder_image": "rollout-buffer-no-such-image:0"}}}})
+        assert missing.status_code == 400 and "options.forwarder_image 'rollout-buffer-no-such-image:0' is not an " \
+            "image in the Docker Engine" in missing.text, missing.text
         wait_status(client, answer.json()["run_id"], "finished", timeout_s=300)
         records = drain(client, answer.json()["run_id"], 1, timeout_s=60)
     assert records[0]["reward"] == 1.0, records[0]["extra_info"]
