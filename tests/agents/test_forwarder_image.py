@@ -4,6 +4,7 @@ verifier's container share. Real Engine, real model relay (its peer-uid check), 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import socket
@@ -190,6 +191,49 @@ async def test_a_python_less_tasks_verifier_reaches_its_granted_host_through_a_h
     finally:
         await agent.cleanup()
     assert docker_sandboxes_of(docker_env, name) == []
+
+
+# a RUN step of a python-less image fetching the stand-in index through the build's proxy, with bash's /dev/tcp
+BUILD_FETCH = """SHELL ["/bin/bash", "-c"]
+RUN p=${HTTP_PROXY#http://}; exec 3<>"/dev/tcp/${p%:*}/${p##*:}" && printf 'GET http://%s/simple/uv/ HTTP/1.1\\r\\nHost: %s\\r\\nConnection: close\\r\\n\\r\\n' INDEX INDEX >&3 && cat <&3 > /fetched.txt && grep -q uv-0.7.13 /fetched.txt
+"""
+
+
+async def test_tasks_check_with_forwarder_image_builds_and_verifies_a_python_less_task(
+        docker_env: DockerEnv, index: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    from rollout_buffer.agents.harbor.check import cli_main
+    from tests.support.registry import remove_image
+
+    def make(task: Path) -> list[str]:
+        (task / "environment").mkdir(parents=True)
+        (task / "tests").mkdir()
+        (task / "solution").mkdir()
+        (task / "instruction.md").write_text("Nothing to do.\n")
+        (task / "task.toml").write_text(
+            f'version = "1.0"\n[verifier]\ntimeout_sec = 60.0\n'
+            f'env = {{ INDEX_URL = "http://{index}/simple/uv/", INDEX_HOST = "{index}" }}\n'
+            f'[environment]\nbuild_timeout_sec = 120.0\nallow_internet = true\n')
+        (task / "environment" / "Dockerfile").write_text(
+            f"FROM {docker_env.image_without_python()}\n" + BUILD_FETCH.replace("INDEX", index))
+        (task / "tests" / "test.sh").write_text(NET_TEST.replace("if cat <&3 | grep -q uv-0.7.13;",
+                                                                 "if cat <&3 | grep -q uv-0.7.13 && [ -s /fetched.txt ];"))
+        (task / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
+        return ["check", str(task), "--solutions", "--docker-host", docker_env.url, "--json", "--egress-build", index,
+                "--egress-verifier", index]
+
+    name = f"fwd-build-{secrets.token_hex(4)}"
+    argv = make(tmp_path / f"{name}-own")  # a task of its own: a failed build is remembered a while, by image
+    code = await asyncio.to_thread(cli_main, argv)  # the index answers on this loop meanwhile
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and "base image" in report["tasks"][0]["problems"][0]["message"], report  # its own: no python3
+    code = await asyncio.to_thread(cli_main, [*make(tmp_path / name), "--forwarder-image", docker_env.image])
+    report = json.loads(capsys.readouterr().out)
+    row = report["tasks"][0]
+    try:
+        assert code == 0 and row["solution"] == "reward 1", row["problems"]
+    finally:
+        if row["image"].startswith("rollout-buffer-harbor/"):
+            remove_image(docker_env.url, row["image"])
 
 
 # the agent: one chat completion through the model forwarder, with bash's /dev/tcp (the image has no python3)

@@ -98,27 +98,25 @@ def holder_spec(image: str, socket_path: str, lifetime_s: float, owner: str, wha
 
 @contextlib.asynccontextmanager
 async def build_network(docker: Any, dockerfile: Path, egress: BuildEgress | None, *, timeout_s: float,
-                        owner: str, what: str) -> AsyncIterator[BuildNetwork]:
-    """The build's network: none without a grant; with one, an egress proxy and its holder, removed on exit."""
+                        owner: str, what: str, forwarder_image: str | None = None) -> AsyncIterator[BuildNetwork]:
+    """The build's network: none without a grant; with one, an egress proxy and its holder (of `forwarder_image`
+    when the sandbox options name one, else of the Dockerfile's base image), removed on exit."""
     if egress is None:
         yield BuildNetwork()
         return
-    try:
-        image = base_image(dockerfile.read_text(errors="replace"))
-    except OSError as exc:
-        raise HolderFailed(f"cannot read {dockerfile.name}: {exc}") from exc
-    if image is None or "$" in image:
-        raise HolderFailed(f"the build's egress runs its forwarder in the Dockerfile's base image, and {dockerfile.name} "
-                           f"names {'none' if image is None else repr(image) + ' through a build argument'}")
+    if forwarder_image:
+        image, where = forwarder_image, f"forwarder_image {forwarder_image!r}"
+    else:
+        image = _base_of(dockerfile)
+        where = f"the Dockerfile's base image {image!r}"
     proxy = await EgressProxy(Allowlist.parse(egress.hosts), upstream=egress.upstream or None,
                               mirrors=Mirrors.parse(egress.mirrors)).start()
     holder = None
     try:
         proxy.admit(engine.parse_user(engine.KEEPER_USER)[0])  # the forwarder's uid, and no other
         spec = holder_spec(image, proxy.socket_path, timeout_s + 60.0, owner, what)
-        holder = await docker_holder.start_holder(
-            docker, spec, container_name=f"build-egress-{what}",
-            describe=f"the build's egress runs its forwarder in the Dockerfile's base image {image!r}")
+        holder = await docker_holder.start_holder(docker, spec, container_name=f"build-egress-{what}",
+                                                  describe=f"the build's egress runs its forwarder in {where}")
         url = f"http://127.0.0.1:{EGRESS_PORT}"
         yield BuildNetwork({"networkmode": f"container:{holder.id}",
                             "buildargs": json.dumps({name: url for name in PROXY_ARGS})}, proxy)
@@ -126,3 +124,15 @@ async def build_network(docker: Any, dockerfile: Path, egress: BuildEgress | Non
         if holder is not None:
             await asyncio.shield(docker_holder.remove_holder(docker, holder))
         await proxy.close()
+
+
+def _base_of(dockerfile: Path) -> str:
+    """The base image the build's forwarder runs in without a forwarder_image; HolderFailed when there is none."""
+    try:
+        image = base_image(dockerfile.read_text(errors="replace"))
+    except OSError as exc:
+        raise HolderFailed(f"cannot read {dockerfile.name}: {exc}") from exc
+    if image is None or "$" in image:
+        raise HolderFailed(f"the build's egress runs its forwarder in the Dockerfile's base image, and {dockerfile.name} "
+                           f"names {'none' if image is None else repr(image) + ' through a build argument'}")
+    return image

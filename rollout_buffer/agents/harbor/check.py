@@ -248,8 +248,10 @@ def report(rows: list[Row]) -> list[str]:
 
 def main(dataset: str, *, build: bool, solutions: bool, docker_host: str | None, as_json: bool = False,
          limits: TaskLimits | None = None, force_build: bool = False, network: Network | None = None,
-         pull: bool = False, user: str | None = None) -> int:
+         pull: bool = False, user: str | None = None, forwarder_image: str | None = None) -> int:
     options: dict[str, Any] = {"docker_host": docker_host} if docker_host else {}
+    if forwarder_image:  # the verifier's and the build's forwarders run there, as serve's --forwarder-image
+        options["forwarder_image"] = forwarder_image
     if force_build:
         options["force_build"] = True
     if user:
@@ -297,6 +299,9 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
     check.add_argument("--egress-mirror", action="append", default=[], metavar="HOST=ADDR:PORT",
                        help="serve an allowed host from a mirror, as serve's (repeatable)")
     check.add_argument("--egress-proxy", default="", metavar="URL", help="an upstream HTTP proxy, as serve's")
+    check.add_argument("--forwarder-image", metavar="IMAGE",
+                       help="an image with python3 that runs the egress forwarders, as serve's (task images then "
+                            "need none)")
     args = parser.parse_args(argv)
     try:  # a bad grant is the command line's error, named, before anything runs
         Allowlist.parse([*args.egress_verifier, *args.egress_build]), Mirrors.parse(args.egress_mirror)
@@ -307,4 +312,4 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
                 docker_host=args.docker_host, as_json=args.json, limits=limits, force_build=args.force_build,
                 network=Network(tuple(args.egress_verifier), tuple(args.egress_mirror), args.egress_proxy,
                                 tuple(args.egress_build)),
-                pull=args.pull, user=args.user)
+                pull=args.pull, user=args.user, forwarder_image=args.forwarder_image)
