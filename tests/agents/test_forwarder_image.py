@@ -17,6 +17,7 @@ import httpx
 import pytest
 from aiodocker.exceptions import DockerError
 
+from rollout_buffer.agents import docker_engine as engine
 from rollout_buffer.agents.docker_holder import HOLDER_LABEL
 from rollout_buffer.agents.harbor.network import phase_allowlist
 from rollout_buffer.agents.harbor.plan import harbor_options
@@ -117,6 +118,8 @@ async def test_a_python_less_image_reaches_the_model_through_a_holder_and_nothin
             shown = await docker.containers.get(holder)
             top = await docker._query_json(f"containers/{holder}/top")
         assert shown["Config"]["Labels"][HOLDER_LABEL] == "1" and shown["HostConfig"]["NetworkMode"] == "none"
+        assert shown["Config"]["User"] == engine.KEEPER_USER and shown["HostConfig"]["CapDrop"] == ["ALL"]
+        assert shown["HostConfig"]["ReadonlyRootfs"] and shown["Config"]["Labels"][engine.LABEL] == "1"
         assert any("forwarder.py" in " ".join(row) for row in top["Processes"])  # the forwarder runs, there
         again = await box.exec(["bash", "-c", HTTP, "bash", "127.0.0.1", "8765", MODEL_CALL], timeout_s=30)
         assert _body(again.stdout)["path"] == "/v1/chat/completions"
