@@ -88,6 +88,11 @@ async def test_without_the_option_a_python_less_image_fails_naming_it(docker_env
                            options=docker_env.options(image=docker_env.image_without_python(),
                                                       forwarder_image="rollout-buffer-no-such-image:0"))
     assert docker_sandboxes_of(docker_env, missing) == []
+    with pytest.raises(SandboxError, match="is not in the Docker Engine"):  # the holder was up: it goes too
+        await open_sandbox("docker", name=missing, limits=LIMITS, model_socket=str(tmp_path / "model.sock"),
+                           options=docker_env.options(image="rollout-buffer-no-such-image:0",
+                                                      forwarder_image=docker_env.image))
+    assert docker_sandboxes_of(docker_env, missing) == []
 
 
 async def test_a_python_less_image_reaches_the_model_through_a_holder_and_nothing_else(
