@@ -8,6 +8,7 @@ import asyncio
 import json
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from rollout_buffer.agents.verify.reward import KeptFailure
 from rollout_buffer.tasks.harbor import read_task
 from tests.agents.test_harbor_compose import SERVICE, compose_task
 from tests.agents.test_harbor_network_verify import DONE, index  # noqa: F401 - the stand-in index fixture
+from tests.archive.test_reverify_harbor import _cli, answer_host
 from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
 from tests.support.helpers import ServerProcess
 from tests.support.relay import upstream
@@ -256,18 +258,22 @@ def test_a_run_on_a_server_with_forwarder_image_scores_a_python_less_task(
     task = tmp_path / "dataset" / "no-python"
     (task / "tests").mkdir(parents=True)
     (task / "instruction.md").write_text("Ask the model anything; its answer goes to /app/answer.txt.\n")
-    (task / "task.toml").write_text(f'version = "1.0"\n[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 60.0\n'
+    (task / "task.toml").write_text(f'version = "1.0"\n[verifier]\ntimeout_sec = 60.0\nnetwork_mode = "public"\n'
+                                    f'[agent]\ntimeout_sec = 60.0\n'
                                     f'[environment]\ndocker_image = "{docker_env.image_without_python()}"\n')
     (task / "tests" / "test.sh").write_text("#!/bin/bash\ncommand -v python3 && r=0 || r=1\n"
                                             "grep -q '\"choices\"' /app/answer.txt || r=0\necho $r > /logs/verifier/reward.txt\n")
     run_id = f"fwd-run-{secrets.token_hex(4)}"
-    with ServerProcess(tmp_path / "data", "--agent-sandbox", "docker", "--forwarder-image", docker_env.image) as server, \
+    archive = tmp_path / "archive"
+    with ServerProcess(tmp_path / "data", "--agent-sandbox", "docker", "--forwarder-image", docker_env.image,
+                       "--archive-dir", str(archive), "--archive-interval-s", "0.2") as server, \
             httpx.Client(base_url=server.url, timeout=60) as client:
         answer = client.post("/start_rollout", json={
             "task_type": "agent_command", "input_file": str(tmp_path / "dataset"), "num_repeat_per_sample": 1,
             "remote_engine_url": rollout_engine.url, "tokenizer_path": qwen_tokenizer_path, "run_id": run_id,
             "sampling_params": {"max_tokens": 4, "temperature": 1.0},
             "agent": {"command": ["bash", "-c", AGENT.replace("{", "{{").replace("}", "}}")], "api": "openai",
+                      "verify": {"mode": "clean", "keep_work": True},
                       "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url}}}})
         assert answer.status_code == 200, answer.text
         missing = client.post("/start_rollout", json={  # a run's own forwarder_image the Engine lacks: refused
@@ -279,9 +285,26 @@ def test_a_run_on_a_server_with_forwarder_image_scores_a_python_less_task(
             "image in the Docker Engine" in missing.text, missing.text
         wait_status(client, answer.json()["run_id"], "finished", timeout_s=300)
         records = drain(client, answer.json()["run_id"], 1, timeout_s=60)
+        deadline = time.monotonic() + 60
+        while client.get(f"/runs/{run_id}").json()["archive"]["archived"] < 1:
+            assert time.monotonic() < deadline, "the archive did not catch up"
+            time.sleep(0.2)
     assert records[0]["reward"] == 1.0, records[0]["extra_info"]
     assert "HTTP/1.1 200" in records[0]["extra_info"]["agent"]["stdout_tail"], records[0]["extra_info"]["agent"]
     assert docker_sandboxes_of(docker_env, run_id) == []  # the agent's container, its holder, the verifier's: gone
+    # re-verified with tests that fetch from a granted host: through a holder with --forwarder-image, else failed
+    with answer_host("ok") as host:
+        fetching = tmp_path / "fetching-tests"
+        fetching.mkdir()
+        (fetching / "test.sh").write_text(NET_TEST.replace("grep -q uv-0.7.13", "grep -qx ok").replace(
+            '"$INDEX_URL" "$INDEX_HOST"', f'"http://{host}/answer" "{host}"'))
+        common = (run_id, "--archive-dir", str(archive), "--harbor-tasks", str(tmp_path / "dataset"), "--docker-host",
+                  docker_env.url, "--tests", str(fetching), "--egress-verifier", host)
+        failed = _cli(*common)
+        assert failed["failed"] == 1 and "forwarder_image / --forwarder-image" in failed["examples"][0]["error"], failed
+        same = _cli(*common, "--forwarder-image", docker_env.image)
+        assert (same["records"], same["unchanged"], same["failed"]) == (1, 1, 0), same
+    assert not docker_sandboxes_of(docker_env, "reverify-")
 
 
 def test_the_server_flag_sets_every_docker_sandboxs_default(monkeypatch: pytest.MonkeyPatch) -> None:
