@@ -127,6 +127,7 @@ async def test_a_python_less_image_reaches_the_model_through_a_holder_and_nothin
         assert shown["Config"]["Labels"][HOLDER_LABEL] == "1" and shown["HostConfig"]["NetworkMode"] == "none"
         assert shown["Config"]["User"] == engine.KEEPER_USER and shown["HostConfig"]["CapDrop"] == ["ALL"]
         assert shown["HostConfig"]["ReadonlyRootfs"] and shown["Config"]["Labels"][engine.LABEL] == "1"
+        assert shown["HostConfig"]["PidsLimit"] == 64 and shown["HostConfig"]["Memory"] == 256 << 20
         assert any("forwarder.py" in " ".join(row) for row in top["Processes"])  # the forwarder runs, there
         again = await box.exec(["bash", "-c", HTTP, "bash", "127.0.0.1", "8765", MODEL_CALL], timeout_s=30)
         assert _body(again.stdout)["path"] == "/v1/chat/completions"
