@@ -55,6 +55,10 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--egress-mirror", action="append", metavar="HOST=ADDR:PORT",
                         help="serve an allowed host from a mirror: the egress proxies dial ADDR:PORT for HOST "
                              "(or HOST:PORT), e.g. pypi.org=10.0.0.5:443 (repeatable)")
+    parser.add_argument("--forwarder-image", metavar="IMAGE",
+                        help="an image with python3 that runs every docker sandbox's model and egress forwarders, in "
+                             "a holder container whose network the sandbox joins, so task images need no python3 "
+                             "(default: the forwarders run in the task image)")
     parser.add_argument("--gateway-url",
                         help="the gateway as this host's sandbox relays and agents reach it (the balancer in front "
                              "of the API processes): used instead of the run's remote_buffer_url, the address "

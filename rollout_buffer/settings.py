@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     egress_build: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # An upstream HTTP proxy (http://host:port) that dials for the egress proxies (which stay the filter).
     egress_proxy: str | None = None
+    # An image with python3 in which every docker sandbox runs its model and egress forwarders, in a holder
+    # container whose network the sandbox joins (rollout_buffer.agents.docker_holder): task images then need none.
+    forwarder_image: str | None = Field(default=None, min_length=1)
     # Allowed hosts served by the operator's mirror: `host=addr:port` or `host:port=addr:port` (the host is still
     # checked by its own name; the egress proxy dials the mirror instead, rollout_buffer.agents.egress.Mirrors).
     egress_mirror: Annotated[list[str], NoDecode] = Field(default_factory=list)

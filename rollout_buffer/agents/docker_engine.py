@@ -264,6 +264,10 @@ def check_image(options: dict[str, Any]) -> None:
     if host is not None and (not isinstance(host, str) or not host.startswith(("unix://", "/"))):
         raise SandboxError("options.docker_host must be a unix socket of this host (unix:///...); for an Engine "
                            "elsewhere, set DOCKER_HOST for the server")
+    helper = options.get("forwarder_image")  # the image the forwarders run in (`docker_holder.py`), if the run names one
+    if helper is not None and (not isinstance(helper, str) or not helper or not asyncio.run(image_exists(helper, options))):
+        raise SandboxError(f"options.forwarder_image {helper!r} is not an image in the Docker Engine at "
+                           f"{docker_url(options)} (images are never pulled: build or load one with python3)")
     image = options.get("image")
     if image is None:  # each line names its own (`image`, or a Harbor task's); a line without one fails alone
         return

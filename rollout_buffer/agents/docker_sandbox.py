@@ -12,6 +12,9 @@ folder's files kept and handed to the agent user; `exec_root` runs the verifier 
 
 The image needs `sh`, `env`, `cat`, `mkdir`, `timeout` (a Debian-like base), and `python3` for a model socket: the
 forwarder (`forwarder.py`, mounted read-only at `/run/rollout-buffer`) serves `model_url` on the container's loopback.
+With `forwarder_image` (an image with python3; `--forwarder-image` sets it for every docker sandbox) the image needs
+no python3: the forwarders run in a holder container of that image (`docker_holder.py`), whose network namespace
+(its loopback only) the container joins.
 
 Commands run as the agent user under `env -i` (exactly the run's environment plus PATH, HOME, TMPDIR, LANG,
 LC_ALL). Docker cannot kill an exec, so when a command ends or reaches its deadline every process of the
@@ -36,6 +39,7 @@ from aiodocker.exceptions import DockerError
 from aiodocker.execs import Exec
 
 from rollout_buffer.agents import docker_engine as engine
+from rollout_buffer.agents import docker_holder as holder
 from rollout_buffer.agents import docker_storage as storage
 from rollout_buffer.agents.docker_engine import image_exists, remove_stale_containers
 from rollout_buffer.agents.docker_procs import KILL_BUDGET_S, AgentProcesses
@@ -85,6 +89,10 @@ class DockerSandbox(AgentProcesses):
         # a phase's egress proxy socket (`egress.py`): served at `egress_url`, for HTTP(S)_PROXY
         self.egress_socket: str | None = self.options.get("egress_socket")
         self.egress_url: str | None = None
+        self.forwarder_image = self.options.get("forwarder_image") or None
+        if self.forwarder_image is not None and not isinstance(self.forwarder_image, str):
+            raise SandboxError("the docker sandbox option forwarder_image must be an image name")
+        self._holder: DockerContainer | None = None  # the forwarders' container, whose network this one joins
         # a multi-container task's services, (Sidecar, image) in start order (`docker_sidecars.py`)
         self.sidecars: list[Any] = list(self.options.get("sidecars") or [])
         self._sidecar_containers: list[DockerContainer] = []
@@ -110,12 +118,15 @@ class DockerSandbox(AgentProcesses):
         await engine.sweep_once(self.options)
         self._docker = engine.connect(self.options)
         try:
+            if self.forwarder_image and (self.model_socket or self.egress_socket):
+                self._holder = await holder.sandbox_holder(self._docker, self)
             await self._create()
             if self.sidecars:
-                await start_sidecars(self._docker, self._live(), self.sidecars, self.name, self._sidecar_containers)
-            if self.model_socket is not None:
+                await start_sidecars(self._docker, self._live(), self.sidecars, self.name, self._sidecar_containers,
+                                     network=self.network_id)
+            if self.model_socket is not None and self._holder is None:
                 await self._start_forwarder()
-            if self.egress_socket is not None:
+            if self.egress_socket is not None and self._holder is None:
                 await self._start_forwarder(self.egress_socket, "egress", EGRESS_PORT)
             if self.hand_over and self.uid == 0:  # a root agent: the container's own processes, before it runs
                 await self.record_keepers()
@@ -124,15 +135,22 @@ class DockerSandbox(AgentProcesses):
             raise
         return self
 
+    @property
+    def network_id(self) -> str | None:
+        """The container whose network namespace this sandbox's containers share: the holder's, else its own."""
+        return self._holder.id if self._holder is not None else self.container_id
+
     async def _create(self) -> None:
         assert self._docker is not None
+        held = self._holder is not None  # then the holder serves the sockets and holds the names and network
         spec = engine.container_spec(
             image=self.image, limits=self.limits, agent=(self.uid, self.gid), work=self.work, home=self.home,
             lifetime_s=self.lifetime_s, owner=str(self.options.get("owner") or engine.DEFAULT_OWNER), name=self.name,
-            model_socket=self.model_socket, forwarder=FORWARDER,
+            model_socket=None if held else self.model_socket, forwarder=FORWARDER,
             ro_binds=[str(Path(p).resolve()) for p in self.options.get("ro_binds") or []],
-            image_root=self.image_root, egress_socket=self.egress_socket, root_agent=self.hand_over,
-            extra_hosts=service_hosts([s for s, _ in self.sidecars]), network_of=self.options.get("network_of"))
+            image_root=self.image_root, egress_socket=None if held else self.egress_socket, root_agent=self.hand_over,
+            extra_hosts=[] if held else service_hosts([s for s, _ in self.sidecars]),
+            network_of=self.network_id if held else self.options.get("network_of"))
         try:
             image = await self._docker.images.inspect(self.image)
         except DockerError as exc:
@@ -211,7 +229,8 @@ class DockerSandbox(AgentProcesses):
         code, _, err = await self._run(["python3", "-c", "pass"], user=engine.KEEPER_USER)
         if code != 0:
             raise SandboxError(f"docker: image {self.image!r} has no working python3, which the {folder} forwarder "
-                               f"needs (exit {code}: {err[-300:]!r})")
+                               f"needs (exit {code}: {err[-300:]!r}): add it, or set the sandbox option "
+                               "forwarder_image / --forwarder-image to an image with python3")
         try:
             forward = await self._exec_create(["python3", f"{engine.MOUNT_DIR}/forwarder.py", str(port), sock],
                                               user=engine.KEEPER_USER)
@@ -368,6 +387,8 @@ class DockerSandbox(AgentProcesses):
             if self._container is not None and self._docker is not None:
                 await engine.remove_container(self._docker, self._container)
         finally:
+            if self._holder is not None and self._docker is not None:  # after what joined its network
+                await holder.remove_holder(self._docker, self._holder)
             if self._docker is not None:
                 await self._docker.close()
 

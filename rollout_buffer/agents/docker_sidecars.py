@@ -1,6 +1,7 @@
 """Sidecar containers of a multi-container task (`rollout_buffer.tasks.harbor_compose`), started beside a docker sandbox.
 
-Each sidecar joins the sandbox container's network namespace (`NetworkMode: container:<id>`): it shares the
+Each sidecar joins the sandbox container's network namespace (`NetworkMode: container:<id>`; the forwarders'
+holder's when the sandbox has one, which the sandbox container joins too): it shares the
 group's only network, its loopback, and has none of its own. It is labelled as a sandbox container of the same
 owner and worker life, with its parent's id (`PARENT_LABEL`), so the stale-container sweep removes a sidecar
 whose sandbox is gone. No added capability, no new privileges, a pid limit, and its own memory and CPU limits.
@@ -60,10 +61,11 @@ def sidecar_spec(sidecar: Sidecar, image: str, parent: str, labels: dict[str, st
 
 
 async def start_sidecars(docker: Any, main: Any, sidecars: list[tuple[Sidecar, str]], name: str,
-                         made: list[Any]) -> None:
+                         made: list[Any], network: str | None = None) -> None:
     """Create and start each (sidecar, image) beside the `main` container, in order, each healthy before the
     next, appending each container to `made` as it is created (the caller removes them, also when this
-    raises). A sidecar carries the main container's sandbox labels, and its id as its parent."""
+    raises). A sidecar carries the main container's sandbox labels, and its id as its parent; it joins the network
+    namespace of `network` (the sandbox's forwarder holder, `docker_holder.py`), else of the main container."""
     try:
         shown = await main.show()
     except engine.ENGINE_ERRORS as exc:
@@ -73,6 +75,7 @@ async def start_sidecars(docker: Any, main: Any, sidecars: list[tuple[Sidecar, s
     for sidecar, image in sidecars:
         try:
             spec = sidecar_spec(sidecar, image, parent, labels)
+            spec["HostConfig"]["NetworkMode"] = f"container:{network or parent}"
             container = await docker.containers.create(spec, name=engine.container_name(f"{name}-{sidecar.name}"))
             made.append(container)
             if sidecar.files:

@@ -299,6 +299,8 @@ async def _sandbox(ctx: RolloutContext, config: AgentConfig, session: dict[str, 
     line's own `image` (docker) replaces the run's and is never pooled."""
     upstream = session["anthropic_base_url"]
     options = dict(config.sandbox_options)
+    if config.backend == "docker" and ctx.server.forwarder_image:  # `--forwarder-image`: the run's own option wins
+        options.setdefault("forwarder_image", ctx.server.forwarder_image)
     if sample.get("image"):
         options["image"] = sample["image"]
     egress = None

@@ -91,6 +91,8 @@ def _reward_fn(args: argparse.Namespace, folder: Path, harbor: HarborFactory | N
         if harbor is None:
             raise reverifying.ReverifyError("Harbor re-verification is not available in this entry point")
         options = {"docker_host": args.docker_host} if args.docker_host else {}
+        if args.forwarder_image:  # the tests' egress forwarder runs there, as a run's (`--forwarder-image`)
+            options["forwarder_image"] = args.forwarder_image
         network = {"verifier": tuple(args.egress_verifier), "mirrors": tuple(args.egress_mirror),
                    "proxy": args.egress_proxy}
         try:
@@ -98,8 +100,9 @@ def _reward_fn(args: argparse.Namespace, folder: Path, harbor: HarborFactory | N
         except ValueError as exc:  # a bad egress grant, named before anything runs
             raise reverifying.ReverifyError(str(exc)) from exc
         return fn, f"harbor:{args.harbor_tasks.name}"
-    if args.egress_verifier or args.egress_mirror or args.egress_proxy:
-        raise reverifying.ReverifyError("--egress-verifier, --egress-mirror and --egress-proxy need --harbor-tasks")
+    if args.egress_verifier or args.egress_mirror or args.egress_proxy or args.forwarder_image:
+        raise reverifying.ReverifyError("--egress-verifier, --egress-mirror, --egress-proxy and --forwarder-image need "
+                                        "--harbor-tasks")
     if args.tests:
         raise reverifying.ReverifyError("--tests needs --harbor-tasks (the run's Harbor task folders)")
     if args.judge:
@@ -150,6 +153,9 @@ def reverify_main(argv: list[str], harbor: HarborFactory | None = None) -> int:
                         help="with --harbor-tasks: serve an allowed host from a mirror, as serve's (repeatable)")
     parser.add_argument("--egress-proxy", default="", metavar="URL",
                         help="with --harbor-tasks: an upstream HTTP proxy, as serve's")
+    parser.add_argument("--forwarder-image", metavar="IMAGE",
+                        help="with --harbor-tasks: an image with python3 that runs the tests' egress forwarder, as "
+                             "serve's (task images then need none)")
     args = parser.parse_args(argv)
     folder = _run_folder(args)
     try:

@@ -174,6 +174,7 @@ class ServerFacts:
     egress_proxy: str = ""
     egress_mirror: tuple[str, ...] = ()  # `--egress-mirror`: `host=addr:port`, allowed hosts served by a mirror
     egress_build: tuple[str, ...] = ()  # `--egress-build`: hosts a Harbor task's image build may reach
+    forwarder_image: str = ""  # `--forwarder-image`: the docker sandboxes' default `forwarder_image` option
     # `host_lock(name, hold_s)`: an async context manager held across every worker process and host (a lock in
     # Redis, from the runtime), so an image is pulled or built once per Engine; None: this process's locks only
     host_lock: HostLock | None = field(default=None, compare=False)

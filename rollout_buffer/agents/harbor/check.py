@@ -257,8 +257,10 @@ def report(rows: list[Row]) -> list[str]:
 def main(dataset: str, *, build: bool, solutions: bool, docker_host: str | None, as_json: bool = False,
          limits: TaskLimits | None = None, force_build: bool = False, network: Network | None = None,
          pull: bool = False, user: str | None = None, policy: VerifyPolicy | None = None,
-         verify_mode: str | None = None) -> int:
+         verify_mode: str | None = None, forwarder_image: str | None = None) -> int:
     options: dict[str, Any] = {"docker_host": docker_host} if docker_host else {}
+    if forwarder_image:  # the verifier's and the build's forwarders run there, as serve's --forwarder-image
+        options["forwarder_image"] = forwarder_image
     if force_build:
         options["force_build"] = True
     if user:
@@ -312,6 +314,9 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
                        "'{\"correctness\": 1}', as a run's agent.verify.reward_weights (their weighted sum)")
     check.add_argument("--verify-mode", choices=MODES, help="score each solution under this verify mode only (the "
                        "one a run uses) instead of finding the safest in which it scores 1")
+    check.add_argument("--forwarder-image", metavar="IMAGE",
+                       help="an image with python3 that runs the egress forwarders, as serve's (task images then "
+                            "need none)")
     args = parser.parse_args(argv)
     try:  # the same checks as a run's agent.verify
         weights = None if args.reward_weights is None else json.loads(args.reward_weights)
@@ -328,4 +333,5 @@ def cli_main(argv: list[str], limits: TaskLimits | None = None) -> int:
                 docker_host=args.docker_host, as_json=args.json, limits=limits, force_build=args.force_build,
                 network=Network(tuple(args.egress_verifier), tuple(args.egress_mirror), args.egress_proxy,
                                 tuple(args.egress_build)),
-                pull=args.pull, user=args.user, policy=policy, verify_mode=args.verify_mode)
+                pull=args.pull, user=args.user, policy=policy, verify_mode=args.verify_mode,
+                forwarder_image=args.forwarder_image)

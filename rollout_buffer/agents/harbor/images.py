@@ -144,7 +144,8 @@ async def _build(docker: Any, recipe: Recipe, tag: str, options: dict[str, Any])
     owner = str(options.get("owner") or engine.DEFAULT_OWNER)
     try:
         async with build_network(docker, recipe.context / recipe.dockerfile, recipe.egress, owner=owner,
-                                 timeout_s=recipe.timeout_s, what=recipe.task or recipe.context.name) as network:
+                                 timeout_s=recipe.timeout_s, what=recipe.task or recipe.context.name,
+                                 forwarder_image=options.get("forwarder_image")) as network:
             try:
                 await _stream_build(docker, recipe, {**params, **network.params}, data)
             except BuildFailed as exc:  # the hosts the build was refused, if any

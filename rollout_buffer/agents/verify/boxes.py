@@ -139,7 +139,7 @@ async def verifier_box(agent: DockerSandbox, mode: str, outputs: list[str],
     image = await commit(agent) if mode == "snapshot" else agent.image
     options = {k: v for k, v in agent.options.items() if k not in ("sidecars", "egress_socket")}
     if agent.sidecars:
-        options["network_of"] = agent.container_id
+        options["network_of"] = agent.network_id  # the group's namespace (its forwarders' holder's, if any)
     if egress_socket is not None:
         options["egress_socket"] = egress_socket
     try:
