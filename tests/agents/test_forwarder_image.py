@@ -16,7 +16,6 @@ from typing import Any
 import aiodocker
 import httpx
 import pytest
-from aiodocker.exceptions import DockerError
 
 from rollout_buffer.agents import docker_engine as engine
 from rollout_buffer.agents.docker_holder import HOLDER_LABEL
@@ -30,7 +29,8 @@ from rollout_buffer.tasks.harbor import read_task
 from tests.agents.test_harbor_compose import SERVICE, compose_task
 from tests.agents.test_harbor_network_verify import DONE, index  # noqa: F401 - the stand-in index fixture
 from tests.archive.test_reverify_harbor import _cli, answer_host
-from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
+from tests.support.docker_env import (DockerEnv, container_exists, docker_env,  # noqa: F401 - the session fixture
+                                      docker_sandboxes_of)
 from tests.support.helpers import ServerProcess
 from tests.support.relay import upstream
 from tests.support.runtime_helpers import drain, wait_status
@@ -58,17 +58,6 @@ async def _prepared(env: DockerEnv, gateway_url: str, name: str, **options: obje
     assert made.relay is not None
     made.relay.api_key = KEY
     return made
-
-
-async def _exists(env: DockerEnv, container_id: str) -> bool:
-    async with aiodocker.Docker(url=env.url) as docker:
-        try:
-            await docker.containers.get(container_id)
-            return True
-        except DockerError as exc:
-            if exc.status == 404:
-                return False
-            raise
 
 
 def _body(answer: str) -> dict:
@@ -135,7 +124,7 @@ async def test_a_python_less_image_reaches_the_model_through_a_holder_and_nothin
     finally:
         await prepared.release()
         listener.close()
-    assert not await _exists(docker_env, holder) and docker_sandboxes_of(docker_env, name) == []
+    assert not await container_exists(docker_env, holder) and docker_sandboxes_of(docker_env, name) == []
 
 
 async def test_sidecars_and_the_verifier_share_the_holders_loopback(docker_env: DockerEnv, gateway,  # noqa: F811

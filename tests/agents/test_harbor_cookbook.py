@@ -17,7 +17,6 @@ import json
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from rollout_buffer.agents.harbor.images import image_tag
 from rollout_buffer.tasks.harbor import environment_hash, read_task
 from tests.support.docker_env import DockerEnv, docker_env  # noqa: F401 - the session fixture
 from tests.support.harbor_cookbook import FIXTURES, changed_files, published, python_image, rebase_all
-from tests.support.harbor_tasks import scripted_agent
+from tests.support.harbor_tasks import scripted_agent, start_harbor_run
 from tests.support.helpers import REPO, ServerProcess
 from tests.support.registry import remove_image
 from tests.support.runtime_helpers import drain, wait_status
@@ -180,11 +179,8 @@ def test_a_run_with_the_scripted_agent_scores_each_recipe_as_its_tests_do(
              "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url, "force_build": True}}}
     with ServerProcess(tmp_path / "data", "--agent-sandbox", "docker", *grants(mirror)) as server, \
             httpx.Client(base_url=server.url, timeout=60) as client:
-        answer = client.post("/start_rollout", json={
-            "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": 1, "num_process": 4,
-            "remote_engine_url": rollout_engine.url, "tokenizer_path": qwen_tokenizer_path,
-            "run_id": f"cookbook-{uuid.uuid4().hex[:8]}", "sampling_params": {"max_tokens": 16, "temperature": 1.0},
-            "agent": agent})
+        answer = start_harbor_run(client, dataset, agent, engine_url=rollout_engine.url,
+                                  tokenizer_path=qwen_tokenizer_path, prefix="cookbook", num_process=4)
         assert answer.status_code == 200, answer.text
         run_id = answer.json()["run_id"]
         wait_status(client, run_id, "finished", timeout_s=400)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from rollout_buffer.agents import docker_storage
 from rollout_buffer.agents.docker_sandbox import DockerSandbox
 from rollout_buffer.agents.sandbox import Limits
 from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
-from tests.support.harbor_tasks import make_dataset, scripted_agent
+from tests.support.harbor_tasks import make_dataset, scripted_agent, start_harbor_run
 from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.runtime_helpers import run_detail, wait_status
 
@@ -36,11 +35,8 @@ def test_an_agent_writing_past_storage_mb_is_stopped_and_counted(server: ServerP
         shutil.rmtree(dataset / other)
     assert f"storage_mb = {STORAGE_MB}" in (dataset / "hello" / "task.toml").read_text()
     agent = {**scripted_agent("fill"), "sandbox": {"backend": "docker", "options": {"docker_host": docker_env.url}}}
-    answer = client.post("/start_rollout", json={
-        "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": 1,
-        "remote_engine_url": rollout_engine.url, "tokenizer_path": qwen_tokenizer_path,
-        "run_id": f"harbor-disk-{uuid.uuid4().hex[:8]}", "sampling_params": {"max_tokens": 16, "temperature": 1.0},
-        "agent": agent})
+    answer = start_harbor_run(client, dataset, agent, engine_url=rollout_engine.url,
+                              tokenizer_path=qwen_tokenizer_path, prefix="harbor-disk")
     assert answer.status_code == 200, answer.text
     run_id = answer.json()["run_id"]
     wait_status(client, run_id, "finished", timeout_s=400)

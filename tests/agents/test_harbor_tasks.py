@@ -21,7 +21,7 @@ import pytest
 from rollout_buffer.tasks.harbor import environment_hash
 from tests.support.docker_env import DockerEnv, docker_env, docker_sandboxes_of  # noqa: F401 - the session fixture
 from tests.support.gateway import assert_turns_are_engine_calls, engine_calls_of
-from tests.support.harbor_tasks import add_broken_build, make_dataset, scripted_agent
+from tests.support.harbor_tasks import add_broken_build, make_dataset, scripted_agent, start_harbor_run
 from tests.support.helpers import ServerProcess, ServerSpec
 from tests.support.runtime_helpers import drain, run_detail, wait_status
 
@@ -34,11 +34,8 @@ SERVER = ServerSpec(args=("--agent-sandbox", "docker", "--task-folders", "fetch"
 def _start(client: httpx.Client, dataset: Path, agent: dict[str, Any], env: DockerEnv, engine_url: str,
            tokenizer_path: str, repeats: int = 1) -> httpx.Response:
     agent = {**agent, "sandbox": {"backend": "docker", "options": {"docker_host": env.url}}}
-    return client.post("/start_rollout", json={
-        "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": repeats,
-        "num_process": 8, "remote_engine_url": engine_url, "tokenizer_path": tokenizer_path,
-        "run_id": f"harbor-{uuid.uuid4().hex[:8]}", "sampling_params": {"max_tokens": 16, "temperature": 1.0},
-        "agent": agent})
+    return start_harbor_run(client, dataset, agent, engine_url=engine_url, tokenizer_path=tokenizer_path,
+                            repeats=repeats, num_process=8)
 
 
 def test_bad_task_folders_are_refused_naming_task_and_field(server: ServerProcess, client: httpx.Client,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from tests.support.docker_env import DockerEnv, docker_env  # noqa: F401 - the session fixture
-from tests.support.harbor_tasks import scripted_agent
+from tests.support.harbor_tasks import scripted_agent, start_harbor_run
 from tests.support.helpers import REPO, ServerProcess, ServerSpec
 from tests.support.runtime_helpers import drain, run_detail, wait_status
 from tests.support.tb2_mirror import Mirror, base_image, check_solutions, published_hashes, rebase, running_mirror
@@ -93,10 +92,8 @@ def _start(client: httpx.Client, dataset: Path, env: DockerEnv, engine_url: str,
     agent = scripted_agent("solve")  # it also fetches pypi.org's page for pytest: the agent's own egress
     agent = {**agent, "env": {**agent["env"], "FETCH_URL": "https://pypi.org/simple/pytest/"},
              "sandbox": {"backend": "docker", "options": {"docker_host": env.url, "force_build": True}}}
-    return client.post("/start_rollout", json={
-        "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": 1, "num_process": 4,
-        "remote_engine_url": engine_url, "tokenizer_path": tokenizer, "run_id": f"tb2-{uuid.uuid4().hex[:8]}",
-        "sampling_params": {"max_tokens": 16, "temperature": 1.0}, "agent": agent})
+    return start_harbor_run(client, dataset, agent, engine_url=engine_url, tokenizer_path=tokenizer, prefix="tb2",
+                            num_process=4)
 
 
 def test_a_run_scores_the_solved_task_1_and_the_unsolved_one_0_through_the_mirror(

@@ -13,7 +13,6 @@ scores the agent's (empty) answer 0."""
 from __future__ import annotations
 
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import pytest
 from rollout_buffer.agents.harbor.images import image_tag
 from rollout_buffer.tasks.harbor import environment_hash, read_task
 from tests.support.docker_env import DockerEnv, docker_env  # noqa: F401 - the session fixture
-from tests.support.harbor_tasks import scripted_agent
+from tests.support.harbor_tasks import scripted_agent, start_harbor_run
 from tests.support.helpers import REPO, ServerProcess
 from tests.support.runtime_helpers import drain, run_detail, wait_status
 from tests.support.registry import remove_image
@@ -88,10 +87,8 @@ def _run(dataset: Path, env: DockerEnv, engine: Any, tokenizer: str, data: Path,
              "sandbox": {"backend": "docker", "options": {"docker_host": env.url, "force_build": True}}}
     with ServerProcess(data, "--agent-sandbox", "docker", *options) as server, \
             httpx.Client(base_url=server.url, timeout=60) as client:
-        answer = client.post("/start_rollout", json={
-            "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": 1,
-            "remote_engine_url": engine.url, "tokenizer_path": tokenizer, "run_id": f"tb2b-{uuid.uuid4().hex[:8]}",
-            "sampling_params": {"max_tokens": 16, "temperature": 1.0}, "agent": agent})
+        answer = start_harbor_run(client, dataset, agent, engine_url=engine.url, tokenizer_path=tokenizer,
+                                  prefix="tb2b")
         assert answer.status_code == 200, answer.text
         run_id = answer.json()["run_id"]
         wait_status(client, run_id, "finished", timeout_s=600)

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import aiodocker
 import pytest
-from aiodocker.exceptions import DockerError
 from aiohttp import web
 
 from rollout_buffer.agents import docker_engine as engine
 from rollout_buffer.agents import docker_procs, docker_sandbox
 from rollout_buffer.agents.docker_sandbox import DockerSandbox
 from rollout_buffer.agents.sandbox import Limits, SandboxError, is_isolated, open_sandbox
-from tests.support.docker_env import DockerEnv, docker_env  # noqa: F401 - the session fixture
+from tests.support.docker_env import DockerEnv, container_exists, docker_env  # noqa: F401 - the session fixture
 
 # the session's first run builds the base image (tests/support/docker_env.py) inside the first test's setup
 pytestmark = pytest.mark.timeout(600)
@@ -31,17 +30,6 @@ LIMITS = Limits(pids=64, disk_mb=16, memory_bytes=256 << 20, cpus=1.0)
 
 async def _box(env: DockerEnv, limits: Limits = LIMITS, **options: object) -> DockerSandbox:
     return await open_sandbox("docker", name="test/box", limits=limits, options=env.options(**options))
-
-
-async def _exists(env: DockerEnv, container_id: str) -> bool:
-    async with aiodocker.Docker(url=env.url) as docker:
-        try:
-            await docker.containers.get(container_id)
-            return True
-        except DockerError as exc:
-            if exc.status == 404:
-                return False
-            raise
 
 
 async def test_benign_command_and_exact_environment(docker_env: DockerEnv,  # noqa: F811
@@ -66,7 +54,7 @@ async def test_benign_command_and_exact_environment(docker_env: DockerEnv,  # no
     assert big.ok and big.truncated and big.output_bytes == 100004 and big.stdout.endswith("xxxEND\n")
     assert len(big.stdout) == 1000
     assert sub.stdout == "/app/sub\n"
-    assert not await _exists(docker_env, box.container_id), "cleanup removes the container"
+    assert not await container_exists(docker_env, box.container_id), "cleanup removes the container"
 
 
 async def test_files_stay_inside(docker_env: DockerEnv) -> None:  # noqa: F811
@@ -201,7 +189,7 @@ async def test_fork_bomb_is_bounded_and_killed(docker_env: DockerEnv) -> None:  
         assert after.stdout == "alive\n", "the sandbox survives its agent's fork bomb"
     finally:
         await box.cleanup()
-    assert not await _exists(docker_env, box.container_id)
+    assert not await container_exists(docker_env, box.container_id)
 
 
 async def test_setsid_process_ignoring_sigterm_dies_at_the_deadline(docker_env: DockerEnv) -> None:  # noqa: F811
@@ -218,7 +206,7 @@ async def test_setsid_process_ignoring_sigterm_dies_at_the_deadline(docker_env: 
         assert left.ok and await box.agent_pids() == [], "what a finished command left is killed too"
     finally:
         await box.cleanup()
-    assert not await _exists(docker_env, box.container_id)
+    assert not await container_exists(docker_env, box.container_id)
 
 
 KILL_FORWARDER = textwrap.dedent("""
@@ -245,10 +233,10 @@ async def test_cancel_kills_the_command_and_lifetime_removes_the_container(docke
             await running
         assert await box.agent_pids() == [], "a cancelled command leaves nothing running"
         for _ in range(100):  # the container's main process ends at its lifetime and the container goes
-            if not await _exists(docker_env, box.container_id):
+            if not await container_exists(docker_env, box.container_id):
                 break
             await asyncio.sleep(0.1)
-        assert not await _exists(docker_env, box.container_id), "the container outlived its lifetime"
+        assert not await container_exists(docker_env, box.container_id), "the container outlived its lifetime"
     finally:
         await box.cleanup()
 
@@ -271,10 +259,10 @@ async def test_container_goes_when_its_worker_dies(docker_env: DockerEnv) -> Non
     container_id = (await worker.stdout.readline()).decode().strip()
     assert await worker.wait() == -9 and container_id
     for _ in range(100):
-        if not await _exists(docker_env, container_id):
+        if not await container_exists(docker_env, container_id):
             break
         await asyncio.sleep(0.1)
-    assert not await _exists(docker_env, container_id), "a dead worker's container lives on"
+    assert not await container_exists(docker_env, container_id), "a dead worker's container lives on"
 
 
 async def test_container_is_stopped_when_nothing_can_be_killed_inside(docker_env: DockerEnv,  # noqa: F811
@@ -288,7 +276,7 @@ async def test_container_is_stopped_when_nothing_can_be_killed_inside(docker_env
             await box.exec(["true"], timeout_s=5)
     finally:
         await box.cleanup()
-    assert not await _exists(docker_env, box.container_id)
+    assert not await container_exists(docker_env, box.container_id)
 
 
 async def test_model_socket_is_the_one_way_out(docker_env: DockerEnv, tmp_path: Path) -> None:  # noqa: F811
@@ -333,9 +321,9 @@ async def test_stale_containers_are_removed_by_label(docker_env: DockerEnv) -> N
         await sibling.start()  # another worker process's live sandbox on the same host
     try:
         assert await docker_sandbox.remove_stale_containers(owner, {"docker_host": docker_env.url}) == 1
-        assert not await _exists(docker_env, leftover.id)
-        assert await _exists(docker_env, live.container_id), "this life's own sandboxes are kept"
-        assert await _exists(docker_env, sibling.id), "a sibling worker's running sandbox is kept"
+        assert not await container_exists(docker_env, leftover.id)
+        assert await container_exists(docker_env, live.container_id), "this life's own sandboxes are kept"
+        assert await container_exists(docker_env, sibling.id), "a sibling worker's running sandbox is kept"
     finally:
         await live.cleanup()
         async with aiodocker.Docker(url=docker_env.url) as docker:

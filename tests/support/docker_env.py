@@ -267,6 +267,21 @@ def docker_env() -> Iterator[DockerEnv]:
         yield env
 
 
+async def container_exists(env: DockerEnv, container_id: str) -> bool:
+    """Whether the Engine still has the container (any state)."""
+    import aiodocker
+    from aiodocker.exceptions import DockerError
+
+    async with aiodocker.Docker(url=env.url) as docker:
+        try:
+            await docker.containers.get(container_id)
+            return True
+        except DockerError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+
 def docker_sandboxes_of(env: DockerEnv, name_prefix: str) -> list[str]:
     """Ids of sandbox containers (any state) whose name starts with `name_prefix` (a run id)."""
     filters = quote(_json.dumps({"label": ["rollout-buffer.sandbox=1"]}))

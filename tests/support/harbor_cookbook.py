@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.docker_env import _request
-from tests.support.tb2_mirror import _locked, base_image, debs
+from tests.support.tb2_mirror import _locked, base_image, debs, swap_from
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_cookbook"
 PYTHON_DEBS = ("python3-pip", "python3-wheel", "python3-packaging", "python-is-python3")
@@ -75,10 +75,5 @@ def rebase_all(recipe: Path, target: Path, images: dict[str, str]) -> Path:
     found = sorted(str(p.relative_to(target)) for p in (target / "environment").rglob("Dockerfile"))
     assert found == sorted(images), f"{recipe.name}: Dockerfiles {found}, images given for {sorted(images)}"
     for name, image in images.items():
-        dockerfile = target / name
-        lines = dockerfile.read_text().splitlines(keepends=True)
-        froms = [i for i, line in enumerate(lines) if line.startswith("FROM ")]
-        assert len(froms) == 1, f"{recipe.name}/{name}: one FROM line expected, got {len(froms)}"
-        lines[froms[0]] = f"FROM {image}\n"
-        dockerfile.write_text("".join(lines))
+        swap_from(target / name, image, f"{recipe.name}/{name}")
     return target

@@ -5,7 +5,11 @@ reward. Every tests/ and solution/ file carries SECRET, so a hostile agent that 
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 SECRET = "zebra-quartz-7719"
 SCRIPTED_AGENT = Path(__file__).resolve().parents[1] / "fixtures" / "agent_scripts" / "harbor_agent.py"
@@ -68,6 +72,19 @@ def scripted_agent(mode: str) -> dict:
     script = SCRIPTED_AGENT.read_text().replace("{", "{{").replace("}", "}}")
     return {"command": f"python3 {{home}}/agent.py {{instance_id}} {mode} {{prompt}}", "api": "openai",
             "files": {"~/agent.py": script}, "env": {"SECRET_SOLUTION_WORD": SECRET}}
+
+
+def start_harbor_run(client: httpx.Client, dataset: Path, agent: dict[str, Any], *, engine_url: str,
+                     tokenizer_path: str, prefix: str = "harbor", repeats: int = 1,
+                     num_process: int | None = None) -> httpx.Response:
+    """`/start_rollout` of an `agent_command` run over a Harbor dataset folder (16 tokens a turn, temperature 1)."""
+    body: dict[str, Any] = {
+        "task_type": "agent_command", "input_file": str(dataset), "num_repeat_per_sample": repeats,
+        "remote_engine_url": engine_url, "tokenizer_path": tokenizer_path, "run_id": f"{prefix}-{uuid.uuid4().hex[:8]}",
+        "sampling_params": {"max_tokens": 16, "temperature": 1.0}, "agent": agent}
+    if num_process is not None:
+        body["num_process"] = num_process
+    return client.post("/start_rollout", json=body)
 
 
 def add_broken_build(root: Path) -> Path:

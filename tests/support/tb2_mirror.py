@@ -305,15 +305,19 @@ def base_image(url: str) -> str:
     return name
 
 
+def swap_from(dockerfile: Path, image: str, what: str) -> None:
+    """The Dockerfile's one `FROM` line made to name `image` (the only change a published task gets here)."""
+    lines = dockerfile.read_text().splitlines(keepends=True)
+    froms = [i for i, line in enumerate(lines) if line.startswith("FROM ")]
+    assert len(froms) == 1, f"{what}: one FROM line expected, got {len(froms)}"
+    lines[froms[0]] = f"FROM {image}\n"
+    dockerfile.write_text("".join(lines))
+
+
 def rebase(task: Path, target: Path, image: str) -> Path:
     """A copy of a published task folder with its Dockerfile's `FROM` line (the only change) naming `image`."""
     shutil.copytree(task, target)
-    dockerfile = target / "environment" / "Dockerfile"
-    lines = dockerfile.read_text().splitlines(keepends=True)
-    froms = [i for i, line in enumerate(lines) if line.startswith("FROM ")]
-    assert len(froms) == 1, f"{task.name}: one FROM line expected, got {len(froms)}"
-    lines[froms[0]] = f"FROM {image}\n"
-    dockerfile.write_text("".join(lines))
+    swap_from(target / "environment" / "Dockerfile", image, task.name)
     return target
 
 

@@ -86,11 +86,11 @@ async def run_solution(sample: dict[str, Any], options: dict[str, Any], network:
         agent = AgentResult(exit_code=run.exit_code, stdout=run.stdout, stderr=run.stderr, timed_out=run.timed_out,
                             duration_s=run.duration_s)
         results: dict[str, Any] = {}
-        # the safest way in which it scores 1: clean, snapshot, the two without PYTHONSAFEPATH (Harbor's sys.path:
-        # agent.verify.python_safe_path false), same last (it changes the container)
-        tries = [(m, True) for m in MODES if m != "same"] + [(m, False) for m in MODES if m != "same"]
-        tries = [*tries, ("same", True)] if verify_mode is None else [
-            (verify_mode, policy.safe_path_for(str(harbor["name"])))]
+        if verify_mode is not None:
+            tries = [(verify_mode, policy.safe_path_for(str(harbor["name"])))]
+        else:  # the safest way in which it scores 1: clean, snapshot, the two without PYTHONSAFEPATH (Harbor's
+            # sys.path: agent.verify.python_safe_path false), same last (it changes the container)
+            tries = [(mode, safe) for safe in (True, False) for mode in ("clean", "snapshot")] + [("same", True)]
         for mode, safe in tries:
             try:
                 verdict = await harbor_verify(box, sample, agent, mode=mode, outputs=harbor.get("outputs"),
